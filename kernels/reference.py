@@ -1,0 +1,161 @@
+"""MSA in plain PyTorch on paged caches: the function every kernel must compute, and the CPU path.
+
+Three steps, as in ../shared/MSA_SPEC.md:
+  proxy_block_scores  index queries x paged proxy keys, causal, max-pooled per block
+  select_blocks       top-k blocks per (token, index head), local/init blocks forced, -1 padded
+  sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
+
+Layouts (vLLM's, page size == block size B):
+  proxy_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
+Selections hold logical block numbers of the request (not page ids), ascending, -1 at the end.
+
+Work is vectorised per request and per chunk of query tokens (bounded memory); the only Python
+loops are over requests and query chunks. Arithmetic runs in float32, or float64 for float64 inputs.
+"""
+
+import torch
+
+from kernels.shapes import MSAShape, PagedBatch
+
+# Upper bound on elements of one [query chunk, heads, keys] score tile.
+_TILE_ELEMENTS = 1 << 23
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _query_chunks(q_start: int, q_end: int, heads: int, keys: int):
+    step = max(1, _TILE_ELEMENTS // max(1, heads * keys))
+    for start in range(q_start, q_end, step):
+        yield start, min(q_end, start + step)
+
+
+def _request_pages(batch: PagedBatch, r: int, block_size: int) -> tuple[torch.Tensor, int]:
+    seq_len = batch.seq_lens_cpu[r]
+    num_blocks = -(-seq_len // block_size)
+    return batch.block_table[r, :num_blocks].long(), num_blocks
+
+
+def proxy_block_scores(
+    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+) -> torch.Tensor:
+    """Max-pooled causal proxy scores, [T, Hi, max_blocks]; -inf where a block has no visible key."""
+    num_tokens, max_blocks = batch.num_tokens, batch.block_table.shape[1]
+    hki, group, bs = shape.num_index_key_heads, shape.index_heads_per_key_head, shape.block_size
+    dtype = _compute_dtype(index_q)
+    out = index_q.new_full((num_tokens, shape.num_index_heads, max_blocks), float("-inf"), dtype=dtype)
+    positions = batch.positions()
+    for r in range(batch.num_requests):
+        pages, num_blocks = _request_pages(batch, r, bs)
+        if num_blocks == 0:
+            continue
+        keys = proxy_cache[pages].to(dtype).reshape(num_blocks * bs, hki, shape.index_head_dim)
+        key_pos = torch.arange(num_blocks * bs, device=keys.device)
+        q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]
+        for c0, c1 in _query_chunks(q0, q1, shape.num_index_heads, num_blocks * bs):
+            q = index_q[c0:c1].to(dtype).view(c1 - c0, hki, group, shape.index_head_dim)
+            s = torch.einsum("tkgd,nkd->tkgn", q, keys).reshape(c1 - c0, shape.num_index_heads, -1)
+            hidden = key_pos[None, :] > positions[c0:c1, None]
+            s = s.masked_fill(hidden[:, None, :], float("-inf"))
+            out[c0:c1, :, :num_blocks] = s.view(c1 - c0, shape.num_index_heads, num_blocks, bs).amax(-1)
+    return out
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
+    """Top-k logical blocks per (token, index head), [T, Hi, K] int32, ascending, -1 padded.
+
+    The local blocks (the query's block and the local_blocks-1 before it) and the init blocks are
+    always taken; the other slots take the best-scoring visible blocks.
+    """
+    num_tokens, num_heads, max_blocks = scores.shape
+    k = shape.topk_blocks
+    query_block = (positions // shape.block_size).long()[:, None]
+    block = torch.arange(max_blocks, device=scores.device)[None, :]
+    visible = block <= query_block
+    forced = visible & ((block > query_block - shape.local_blocks) | (block < shape.init_blocks))
+    ranked = scores.masked_fill(forced[:, None, :], float("inf")).masked_fill(~visible[:, None, :], float("-inf"))
+    top_scores, top_blocks = ranked.topk(min(k, max_blocks), dim=-1)
+    missing = top_scores == float("-inf")
+    top_blocks = top_blocks.masked_fill(missing, max_blocks).sort(dim=-1).values
+    top_blocks = top_blocks.masked_fill(top_blocks == max_blocks, -1).to(torch.int32)
+    if top_blocks.shape[-1] < k:
+        pad = top_blocks.new_full((num_tokens, num_heads, k - top_blocks.shape[-1]), -1)
+        top_blocks = torch.cat([top_blocks, pad], dim=-1)
+    return top_blocks
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    selected: torch.Tensor,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact-softmax causal GQA attention over the selected blocks only, [T, Hq, D] in q's dtype.
+
+    selected: [T, Hi, K] logical blocks (-1 = empty slot); main head g reads index head g // m's
+    blocks and KV head g // (Hq / Hkv).
+    """
+    num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
+    hkv, bs = shape.num_kv_heads, shape.block_size
+    dtype = _compute_dtype(q)
+    if out is None:
+        out = q.new_empty((num_tokens, hq, d))
+    positions = batch.positions()
+    for r in range(batch.num_requests):
+        pages, num_blocks = _request_pages(batch, r, bs)
+        q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]
+        for c0, c1 in _query_chunks(q0, q1, hq, num_blocks * bs):
+            n = c1 - c0
+            sel = selected[c0:c1].long()
+            # Read only the blocks some token of the chunk selected: column u of `used` is block used[u].
+            used = torch.unique(sel[sel >= 0])
+            column = torch.full((num_blocks + 1,), len(used), dtype=torch.long, device=sel.device)
+            column[used] = torch.arange(len(used), device=sel.device)
+            block_mask = torch.zeros(n, shape.num_index_heads, len(used) + 1, dtype=torch.bool, device=sel.device)
+            block_mask.scatter_(2, column[torch.where(sel < 0, num_blocks, sel)], True)
+            kv = kv_cache[pages[used]].to(dtype)  # [u, 2, B, Hkv, D]
+            key_pos = (used[:, None] * bs + torch.arange(bs, device=sel.device)).flatten()
+            keys = kv[:, 0].reshape(-1, hkv, d)
+            # The last page's slots past seq_len hold stale data: zero them so 0-weight * NaN cannot leak.
+            stale = (key_pos >= batch.seq_lens_cpu[r])[:, None, None]
+            values = kv[:, 1].reshape(-1, hkv, d).masked_fill(stale, 0)
+            token_mask = block_mask[..., : len(used)].repeat_interleave(shape.heads_per_index_head, dim=1)
+            token_mask = token_mask.repeat_interleave(bs, dim=2)  # [n, Hq, keys]
+            token_mask &= (key_pos[None, :] <= positions[c0:c1, None])[:, None, :]
+            qc = q[c0:c1].to(dtype).view(n, hkv, hq // hkv, d)
+            s = torch.einsum("tkgd,nkd->tkgn", qc, keys).reshape(n, hq, -1) * scale
+            p = torch.softmax(s.masked_fill(~token_mask, float("-inf")), dim=-1)
+            o = torch.einsum("tkgn,nkd->tkgd", p.view(n, hkv, hq // hkv, -1), values)
+            out[c0:c1] = o.reshape(n, hq, d).to(out.dtype)
+    return out
+
+
+def msa_attention(
+    q: torch.Tensor,
+    index_q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    proxy_cache: torch.Tensor,
+    batch: PagedBatch,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole MSA layer after the caches hold the new tokens: returns (output, selected blocks)."""
+    scores = proxy_block_scores(index_q, proxy_cache, batch, shape)
+    selected = select_blocks(scores, batch.positions(), shape)
+    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected
+
+
+def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """Store per-token rows into a paged cache [num_pages, B, ...] at flat slots; slots < 0 are skipped.
+
+    cache may be a strided view (e.g. kv_cache[:, 0]); values holds at least len(slot_mapping) rows.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = cache.shape[1]
+    cache[slots // block_size, slots % block_size] = values[: slot_mapping.shape[0]][keep].to(cache.dtype)

@@ -1,0 +1,97 @@
+"""The shape parameters of one MSA layer and the paged batch it runs on.
+
+Every MSA implementation (the PyTorch reference, the CuTeDSL kernels) takes these two objects, so
+callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MSAShape:
+    """Head counts, dims and block-selection parameters of one sparse layer."""
+
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    num_index_heads: int  # Hi: index head p serves main heads [p*m, (p+1)*m), m = Hq / Hi
+    num_index_key_heads: int  # Hki: shared index keys, repeat_interleave'd over index heads
+    index_head_dim: int  # Dp
+    topk_blocks: int  # K, forced blocks included
+    local_blocks: int = 1  # L: the query's own block and the L-1 before it
+    init_blocks: int = 0  # I: blocks 0..I-1
+    block_size: int = 128  # B: tokens per block == tokens per KV page
+
+    def __post_init__(self) -> None:
+        problems = []
+        if min(self.num_q_heads, self.num_kv_heads, self.head_dim) < 1:
+            problems.append("head counts and head_dim must be >= 1")
+        if self.num_q_heads % self.num_kv_heads:
+            problems.append(f"num_q_heads {self.num_q_heads} % num_kv_heads {self.num_kv_heads} != 0")
+        if self.num_index_heads < 1 or self.num_index_heads % self.num_kv_heads:
+            problems.append(
+                f"num_index_heads {self.num_index_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        elif self.num_q_heads % self.num_index_heads:
+            problems.append(f"num_q_heads {self.num_q_heads} % num_index_heads {self.num_index_heads} != 0")
+        if self.num_index_key_heads < 1 or self.num_index_heads % self.num_index_key_heads:
+            problems.append(
+                f"num_index_heads {self.num_index_heads} must be a multiple of "
+                f"num_index_key_heads {self.num_index_key_heads}"
+            )
+        if self.index_head_dim < 1 or self.block_size < 1:
+            problems.append("index_head_dim and block_size must be >= 1")
+        if self.local_blocks < 1 or self.init_blocks < 0:
+            problems.append("local_blocks must be >= 1 and init_blocks >= 0")
+        if self.topk_blocks < self.local_blocks + self.init_blocks:
+            problems.append(
+                f"topk_blocks {self.topk_blocks} < local_blocks {self.local_blocks} + init_blocks {self.init_blocks}"
+            )
+        if problems:
+            raise ValueError("invalid MSA shape: " + "; ".join(problems))
+
+    @property
+    def heads_per_index_head(self) -> int:
+        return self.num_q_heads // self.num_index_heads
+
+    @property
+    def index_heads_per_key_head(self) -> int:
+        return self.num_index_heads // self.num_index_key_heads
+
+
+@dataclass
+class PagedBatch:
+    """A varlen batch of query tokens against paged caches, in vLLM's terms.
+
+    Request r owns query tokens query_start_loc[r]:query_start_loc[r+1]; they are the last tokens of
+    its seq_lens[r] tokens (cached context + new tokens), so token i of r sits at position
+    seq_lens[r] - q_len[r] + i. Logical block b of r lives in physical page block_table[r, b].
+    """
+
+    query_start_loc: torch.Tensor  # [R + 1] int
+    seq_lens: torch.Tensor  # [R] int
+    block_table: torch.Tensor  # [R, max_blocks] int
+
+    def __post_init__(self) -> None:
+        # One host copy of the small per-request arrays: the reference loops over requests.
+        self.query_start_loc_cpu = self.query_start_loc.cpu().tolist()
+        self.seq_lens_cpu = self.seq_lens.cpu().tolist()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    def positions(self) -> torch.Tensor:
+        """Position of every query token in its sequence, [num_tokens] int64."""
+        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        request = torch.repeat_interleave(
+            torch.arange(self.num_requests, device=q_lens.device), q_lens, output_size=self.num_tokens
+        )
+        offset_in_query = torch.arange(self.num_tokens, device=q_lens.device) - self.query_start_loc[request]
+        return (self.seq_lens[request] - q_lens[request] + offset_in_query).long()

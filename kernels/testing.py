@@ -1,0 +1,88 @@
+"""Random paged MSA problems for tests and benchmarks: caches, block tables, queries.
+
+Pages are handed out in random order and every slot that no request owns (free pages, the tail of
+each request's last page) is filled with NaN, so an implementation that reads outside a request's
+visible tokens poisons its output.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.shapes import MSAShape, PagedBatch
+
+
+@dataclass
+class PagedCase:
+    shape: MSAShape
+    batch: PagedBatch
+    q: torch.Tensor  # [T, Hq, D]
+    index_q: torch.Tensor  # [T, Hi, Dp]
+    kv_cache: torch.Tensor  # [pages, 2, B, Hkv, D]
+    proxy_cache: torch.Tensor  # [pages, B, Hki, Dp]
+    scale: float
+
+    def request_tokens(self, r: int):
+        """Request r's contiguous K, V, proxy keys [seq_len, heads, dim] and its query token slice."""
+        b = self.shape.block_size
+        seq_len = self.batch.seq_lens_cpu[r]
+        pages = self.batch.block_table[r, : -(-seq_len // b)].long()
+        kv = self.kv_cache[pages]
+        keys = kv[:, 0].reshape(-1, *kv.shape[-2:])[:seq_len]
+        values = kv[:, 1].reshape(-1, *kv.shape[-2:])[:seq_len]
+        proxy = self.proxy_cache[pages].reshape(-1, *self.proxy_cache.shape[-2:])[:seq_len]
+        q0, q1 = self.batch.query_start_loc_cpu[r], self.batch.query_start_loc_cpu[r + 1]
+        return keys, values, proxy, slice(q0, q1)
+
+
+def make_case(
+    shape: MSAShape,
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_pages: int = 3,
+) -> PagedCase:
+    """A batch where request r has seq_lens[r] tokens, the last q_lens[r] of them being queries."""
+    assert len(q_lens) == len(seq_lens) and all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b = shape.block_size
+    blocks = [-(-s // b) for s in seq_lens]
+    num_pages = sum(blocks) + spare_pages
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(seq_lens), max(1, max(blocks)), dtype=torch.int32)
+    kv_cache = torch.full((num_pages, 2, b, shape.num_kv_heads, shape.head_dim), float("nan"), dtype=dtype)
+    proxy_cache = torch.full(
+        (num_pages, b, shape.num_index_key_heads, shape.index_head_dim), float("nan"), dtype=dtype
+    )
+    used = 0
+    for r, (n_blk, seq_len) in enumerate(zip(blocks, seq_lens)):
+        pages = order[used : used + n_blk]
+        used += n_blk
+        table[r, :n_blk] = pages.int()
+        for i, page in enumerate(pages.tolist()):
+            n = min(b, seq_len - i * b)
+            kv_cache[page, :, :n] = torch.randn(2, n, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+            proxy_cache[page, :n] = torch.randn(
+                n, shape.num_index_key_heads, shape.index_head_dim, generator=g
+            ).to(dtype)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, shape.num_q_heads, shape.head_dim, generator=g).to(dtype)
+    index_q = torch.randn(num_tokens, shape.num_index_heads, shape.index_head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    batch = PagedBatch(
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table.to(device),
+    )
+    return PagedCase(
+        shape=shape,
+        batch=batch,
+        q=q.to(device),
+        index_q=index_q.to(device),
+        kv_cache=kv_cache.to(device),
+        proxy_cache=proxy_cache.to(device),
+        scale=shape.head_dim**-0.5,
+    )

@@ -1,0 +1,170 @@
+"""kernels.reference against the spec written out token by token, and against dense attention."""
+
+import zlib
+
+import pytest
+import torch
+
+from kernels.reference import msa_attention, proxy_block_scores, select_blocks, sparse_attention, write_paged
+from kernels.shapes import MSAShape, PagedBatch
+from kernels.testing import make_case
+from tests.naive_msa import naive_msa
+
+
+def _shape(**kw) -> MSAShape:
+    base = dict(
+        num_q_heads=8, num_kv_heads=2, head_dim=16, num_index_heads=2, num_index_key_heads=1,
+        index_head_dim=8, topk_blocks=3, block_size=16,
+    )
+    return MSAShape(**(base | kw))
+
+
+# (q_lens, seq_lens): decode, prefill, chunked prefill, ragged mixes, lengths off the block grid,
+# fewer blocks than k, a request with no new tokens.
+BATCHES = {
+    "decode": ([1, 1, 1], [37, 80, 129]),
+    "prefill": ([70], [70]),
+    "chunked_prefill": ([20, 33], [61, 100]),
+    "ragged_mixed": ([1, 45, 1, 17, 0], [96, 45, 3, 50, 33]),
+    "fewer_blocks_than_k": ([5, 1], [20, 9]),
+}
+SHAPES = {
+    "gqa": _shape(),
+    "index_heads_gt_kv": _shape(num_index_heads=4),
+    "index_key_heads_2": _shape(num_index_heads=4, num_index_key_heads=2),
+    "init_and_two_local": _shape(topk_blocks=4, local_blocks=2, init_blocks=1),
+    "mha_one_index_head_per_query": _shape(num_q_heads=4, num_kv_heads=4, num_index_heads=4, topk_blocks=2),
+}
+
+
+@pytest.mark.parametrize("batch_name", BATCHES)
+@pytest.mark.parametrize("shape_name", SHAPES)
+def test_reference_matches_token_by_token_spec(shape_name, batch_name):
+    shape = SHAPES[shape_name]
+    q_lens, seq_lens = BATCHES[batch_name]
+    seed = zlib.crc32(f"{shape_name}/{batch_name}".encode())
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=seed)
+    out = torch.full_like(case.q, float("nan"))
+    got, selected = msa_attention(
+        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale, out=out
+    )
+    assert got.data_ptr() == out.data_ptr()
+    for r in range(case.batch.num_requests):
+        keys, values, proxy, tokens = case.request_tokens(r)
+        positions = list(range(seq_lens[r] - q_lens[r], seq_lens[r]))
+        want, want_sel = naive_msa(
+            case.q[tokens], case.index_q[tokens], keys, values, proxy, positions, shape, case.scale
+        )
+        for t, per_head in enumerate(want_sel):
+            for h, blocks in enumerate(per_head):
+                row = selected[tokens][t, h].tolist()
+                assert row == blocks + [-1] * (shape.topk_blocks - len(blocks)), (r, t, h)
+        torch.testing.assert_close(got[tokens], want, rtol=1e-10, atol=1e-10)
+    assert not torch.isnan(got).any()
+
+
+def _dense_causal(case, r, q_len):
+    """Plain causal GQA attention of request r's queries over its whole context."""
+    keys, values, _, tokens = case.request_tokens(r)
+    seq_len = keys.shape[0]
+    group = case.shape.num_q_heads // case.shape.num_kv_heads
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, N, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    q = case.q[tokens].transpose(0, 1)  # [Hq, T, D]
+    pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    mask = torch.arange(seq_len)[None, :] <= pos
+    s = (q @ k.transpose(1, 2)) * case.scale
+    return (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_topk_covering_all_blocks_is_dense_attention(block_size):
+    q_lens, seq_lens = [1, 300, 77], [1000, 300, 513]
+    shape = _shape(block_size=block_size, topk_blocks=-(-max(seq_lens) // block_size), num_index_heads=4)
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=block_size)
+    got, selected = msa_attention(
+        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+    )
+    for r, q_len in enumerate(q_lens):
+        _, _, _, tokens = case.request_tokens(r)
+        torch.testing.assert_close(got[tokens], _dense_causal(case, r, q_len), rtol=1e-12, atol=1e-12)
+    # every visible block is selected, nothing else
+    positions = case.batch.positions()
+    visible = (positions // block_size + 1).tolist()
+    for t, n in enumerate(visible):
+        assert selected[t, 0].tolist() == list(range(n)) + [-1] * (shape.topk_blocks - n)
+
+
+def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
+    shape = _shape(block_size=16, topk_blocks=2)
+    case = make_case(shape, [1], [200], dtype=torch.float64, seed=3)
+    got, selected = msa_attention(
+        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+    )
+    assert (got - _dense_causal(case, 0, 1)).abs().max() > 1e-3
+    # Poison every page the selection did not pick: the output must not change.
+    chosen_pages = {int(case.batch.block_table[0, b]) for b in selected.flatten().tolist() if b >= 0}
+    for page in range(case.kv_cache.shape[0]):
+        if page not in chosen_pages:
+            case.kv_cache[page] = float("nan")
+    again = sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_selection_is_sorted_and_forces_local_blocks():
+    shape = _shape(block_size=16, topk_blocks=4, local_blocks=2, init_blocks=1)
+    case = make_case(shape, [3, 90], [250, 90], seed=5)
+    scores = proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    positions = case.batch.positions()
+    sel = select_blocks(scores, positions, shape)
+    for t, pos in enumerate(positions.tolist()):
+        qb = pos // 16
+        for h in range(shape.num_index_heads):
+            row = [b for b in sel[t, h].tolist() if b >= 0]
+            assert row == sorted(row) and len(set(row)) == len(row)
+            assert {qb, max(0, qb - 1), 0} <= set(row)
+            assert all(b <= qb for b in row)
+            assert len(row) == min(4, qb + 1)
+    # Invisible blocks score -inf; visible ones are finite.
+    visible = torch.arange(scores.shape[-1])[None, :] <= (positions // 16)[:, None]
+    assert torch.isfinite(scores.transpose(0, 1)[:, visible]).all()
+    assert (scores.transpose(0, 1)[:, ~visible] == float("-inf")).all()
+
+
+def test_float32_matches_float64_within_tolerance():
+    shape = _shape(block_size=128, topk_blocks=2, num_index_heads=4)
+    case = make_case(shape, [1, 40], [700, 300], dtype=torch.float64, seed=11)
+    want, sel64 = msa_attention(
+        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+    )
+    as32 = {k: getattr(case, k).float() for k in ("q", "index_q", "kv_cache", "proxy_cache")}
+    got, sel32 = msa_attention(
+        as32["q"], as32["index_q"], as32["kv_cache"], as32["proxy_cache"], case.batch, shape, case.scale
+    )
+    assert torch.equal(sel32, sel64)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_write_paged_skips_padding_slots_and_handles_strided_views():
+    cache = torch.zeros(3, 2, 4, 1, 2)
+    values = torch.arange(10.0).view(5, 1, 2)
+    slots = torch.tensor([5, -1, 0, 11, -1])
+    write_paged(cache[:, 1], slots, values)
+    flat = cache[:, 1].reshape(-1, 1, 2)
+    assert flat[5].tolist() == [[0.0, 1.0]] and flat[0].tolist() == [[4.0, 5.0]] and flat[11].tolist() == [[6.0, 7.0]]
+    assert cache[:, 0].abs().sum() == 0 and flat.abs().sum() == sum(range(8)) - 2 - 3
+
+
+def test_invalid_shapes_are_rejected_with_the_reason():
+    with pytest.raises(ValueError, match="num_index_heads 3 must be a multiple of num_kv_heads 2"):
+        _shape(num_index_heads=3)
+    with pytest.raises(ValueError, match="topk_blocks 1 < local_blocks 1 \\+ init_blocks 1"):
+        _shape(topk_blocks=1, init_blocks=1)
+
+
+def test_paged_batch_positions():
+    batch = PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 4, 4]), seq_lens=torch.tensor([10, 3, 7]), block_table=torch.zeros(3, 1)
+    )
+    assert batch.positions().tolist() == [9, 0, 1, 2]
