@@ -45,7 +45,7 @@ def proxy_block_scores(
     hki, group, bs = shape.num_index_key_heads, shape.index_heads_per_key_head, shape.block_size
     dtype = _compute_dtype(index_q)
     out = index_q.new_full((num_tokens, shape.num_index_heads, max_blocks), float("-inf"), dtype=dtype)
-    positions = batch.positions()
+    positions = batch.positions
     for r in range(batch.num_requests):
         pages, num_blocks = _request_pages(batch, r, bs)
         if num_blocks == 0:
@@ -104,7 +104,7 @@ def sparse_attention(
     dtype = _compute_dtype(q)
     if out is None:
         out = q.new_empty((num_tokens, hq, d))
-    positions = batch.positions()
+    positions = batch.positions
     for r in range(batch.num_requests):
         pages, num_blocks = _request_pages(batch, r, bs)
         q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]
@@ -143,10 +143,14 @@ def msa_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    proxy_batch: PagedBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole MSA layer after the caches hold the new tokens: returns (output, selected blocks)."""
-    scores = proxy_block_scores(index_q, proxy_cache, batch, shape)
-    selected = select_blocks(scores, batch.positions(), shape)
+    """The whole MSA layer once the caches hold the new tokens: returns (output, selected blocks).
+
+    proxy_batch: the proxy cache's own block table when it differs from the K/V cache's.
+    """
+    scores = proxy_block_scores(index_q, proxy_cache, proxy_batch or batch, shape)
+    selected = select_blocks(scores, batch.positions, shape)
     return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected
 
 

@@ -5,6 +5,7 @@ callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -74,19 +75,23 @@ class PagedBatch:
     seq_lens: torch.Tensor  # [R] int
     block_table: torch.Tensor  # [R, max_blocks] int
 
-    def __post_init__(self) -> None:
-        # One host copy of the small per-request arrays: the reference loops over requests.
-        self.query_start_loc_cpu = self.query_start_loc.cpu().tolist()
-        self.seq_lens_cpu = self.seq_lens.cpu().tolist()
+    @cached_property
+    def query_start_loc_cpu(self) -> list[int]:
+        return self.query_start_loc.tolist()
+
+    @cached_property
+    def seq_lens_cpu(self) -> list[int]:
+        return self.seq_lens.tolist()
 
     @property
     def num_requests(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
+    @cached_property
     def positions(self) -> torch.Tensor:
         """Position of every query token in its sequence, [num_tokens] int64."""
         q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]

@@ -89,7 +89,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
         _, _, _, tokens = case.request_tokens(r)
         torch.testing.assert_close(got[tokens], _dense_causal(case, r, q_len), rtol=1e-12, atol=1e-12)
     # every visible block is selected, nothing else
-    positions = case.batch.positions()
+    positions = case.batch.positions
     visible = (positions // block_size + 1).tolist()
     for t, n in enumerate(visible):
         assert selected[t, 0].tolist() == list(range(n)) + [-1] * (shape.topk_blocks - n)
@@ -115,7 +115,7 @@ def test_selection_is_sorted_and_forces_local_blocks():
     shape = _shape(block_size=16, topk_blocks=4, local_blocks=2, init_blocks=1)
     case = make_case(shape, [3, 90], [250, 90], seed=5)
     scores = proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
-    positions = case.batch.positions()
+    positions = case.batch.positions
     sel = select_blocks(scores, positions, shape)
     for t, pos in enumerate(positions.tolist()):
         qb = pos // 16
@@ -167,4 +167,4 @@ def test_paged_batch_positions():
     batch = PagedBatch(
         query_start_loc=torch.tensor([0, 1, 4, 4]), seq_lens=torch.tensor([10, 3, 7]), block_table=torch.zeros(3, 1)
     )
-    assert batch.positions().tolist() == [9, 0, 1, 2]
+    assert batch.positions.tolist() == [9, 0, 1, 2]

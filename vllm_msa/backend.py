@@ -1,0 +1,194 @@
+"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, impl.
+
+Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
+turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
+FlashMSAImpl.forward_msa writes the new K/V and proxy keys into their paged caches, scores the
+proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only.
+
+Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
+CUDA) run FlashMSAImpl.forward, the same sparse attention with every visible block selected.
+
+K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels import reference
+from kernels.shapes import MSAShape, PagedBatch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+BACKEND_NAME = "FLASH_MSA"
+
+
+class FlashMSABackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["FlashMSAImpl"]:
+        return FlashMSAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["FlashMSAMetadataBuilder"]:
+        return FlashMSAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class FlashMSAMetadata(AttentionMetadata):
+    batch: PagedBatch
+    slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slots, -1 = padding
+    num_actual_tokens: int
+
+
+class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
+    """Any mix of decode, prefill and chunked prefill in any order: no batch reordering needed."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> FlashMSAMetadata:
+        m = common_attn_metadata
+        batch = PagedBatch(
+            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
+            seq_lens=m.seq_lens[: m.num_reqs],
+            block_table=m.block_table_tensor[: m.num_reqs],
+        )
+        # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
+        batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        return FlashMSAMetadata(
+            batch=batch, slot_mapping=m.slot_mapping[: m.num_actual_tokens], num_actual_tokens=m.num_actual_tokens
+        )
+
+
+class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        msa_shape: MSAShape | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        }
+        named = [k for k, v in unsupported.items() if v is not None]
+        if named or attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"FLASH_MSA serves causal decoder attention without {named or [attn_type]}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.msa_shape = msa_shape
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        reference.write_paged(kv_cache[:, 0], slot_mapping, key)
+        reference.write_paged(kv_cache[:, 1], slot_mapping, value)
+
+    def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
+        """A dense layer as MSA: one index head per KV head and every block selectable."""
+        return MSAShape(
+            num_q_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size,
+            num_index_heads=self.num_kv_heads,
+            num_index_key_heads=1,
+            index_head_dim=1,
+            topk_blocks=max(1, max_blocks),
+            block_size=block_size,
+        )
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashMSAMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dense causal attention of a plain vLLM Attention layer (K/V already in the cache)."""
+        if attn_metadata is None:  # memory-profiling run: caches are not bound yet
+            return output.fill_(0)
+        batch, n = attn_metadata.batch, attn_metadata.num_actual_tokens
+        max_blocks = batch.block_table.shape[1]
+        shape = self._dense_shape(kv_cache.shape[2], max_blocks)
+        every_block = torch.arange(max_blocks, dtype=torch.int32, device=query.device)
+        selected = every_block.expand(n, shape.num_index_heads, max_blocks)
+        selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
+        reference.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
+        return output
+
+    def forward_msa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        index_query: torch.Tensor,
+        index_key: torch.Tensor,
+        kv_cache: torch.Tensor,
+        proxy_cache: torch.Tensor,
+        attn_metadata: FlashMSAMetadata,
+        proxy_metadata: FlashMSAMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """One MSA layer: cache the new K/V and proxy keys, select blocks, attend. Returns the selection."""
+        shape = self.msa_shape
+        n = attn_metadata.num_actual_tokens
+        self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
+        reference.write_paged(proxy_cache, proxy_metadata.slot_mapping, index_key)
+        _, selected = reference.msa_attention(
+            query[:n],
+            index_query[:n],
+            kv_cache,
+            proxy_cache,
+            attn_metadata.batch,
+            shape,
+            self.scale,
+            out=output[:n],
+            proxy_batch=proxy_metadata.batch,
+        )
+        return selected

@@ -1,0 +1,116 @@
+"""MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
+
+It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
+layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
+(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it.
+"""
+
+import torch
+from torch import nn
+from torch.library import Library
+
+from kernels.shapes import MSAShape
+from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
+from vllm_msa.config import MSAConfigError
+from vllm_msa.proxy_cache import ProxyKeyCache
+
+
+class MSAAttention(nn.Module, AttentionLayerBase):
+    def __init__(self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str) -> None:
+        super().__init__()
+        vllm_config = get_current_vllm_config()
+        block_size = vllm_config.cache_config.block_size
+        if block_size != shape.block_size:
+            raise MSAConfigError(
+                f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
+                f"{shape.block_size} (its msa_config.block_size), not {block_size}"
+            )
+        self.layer_name = prefix
+        self.shape = shape
+        self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
+        self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
+        self.impl = FlashMSAImpl(
+            shape.num_q_heads,
+            shape.head_dim,
+            scale,
+            shape.num_kv_heads,
+            kv_cache_dtype=self.kv_cache_dtype,
+            msa_shape=shape,
+        )
+        self.proxy_cache = ProxyKeyCache(
+            shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
+        )
+        self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
+        forward_context = vllm_config.compilation_config.static_forward_context
+        if prefix in forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        forward_context[prefix] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return FlashMSABackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.shape.num_kv_heads,
+            head_size=self.shape.head_dim,
+            head_size_v=self.shape.head_dim,
+            dtype=self.kv_cache_torch_dtype,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D], index_q [T, Hi*Dp], index_k [T, Hki*Dp] -> [T, Hq*D]."""
+        output = torch.empty_like(q)
+        torch.ops.vllm_msa.msa_attention(q, k, v, index_q, index_k, output, self.layer_name)
+        return output
+
+    def run(self, q, k, v, index_q, index_k, output) -> None:
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
+            output.zero_()
+            return
+        s = self.shape
+        self.impl.forward_msa(
+            q.view(-1, s.num_q_heads, s.head_dim),
+            k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim),
+            index_q.view(-1, s.num_index_heads, s.index_head_dim),
+            index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
+            self.kv_cache,
+            self.proxy_cache.pages(),
+            attn_metadata[self.layer_name],
+            attn_metadata[self.proxy_cache.prefix],
+            output.view(-1, s.num_q_heads, s.head_dim),
+        )
+
+
+def _msa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    output: torch.Tensor, layer_name: str,
+) -> None:
+    get_forward_context().no_compile_layers[layer_name].run(q, k, v, index_q, index_k, output)
+
+
+def _msa_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+    output: torch.Tensor, layer_name: str,
+) -> None:
+    return None
+
+
+_LIBRARY = Library("vllm_msa", "FRAGMENT")
+direct_register_custom_op(
+    op_name="msa_attention",
+    op_func=_msa_attention,
+    mutates_args=["output"],
+    fake_impl=_msa_attention_fake,
+    target_lib=_LIBRARY,
+)

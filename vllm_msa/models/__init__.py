@@ -1,0 +1,1 @@
+"""Model architectures served with FLASH_MSA."""

@@ -1,0 +1,84 @@
+"""FlashMSAForCausalLM: a Llama-style GQA decoder whose non-dense layers are MSA layers.
+
+Everything but attention is vLLM's Llama (embeddings, RMSNorm, SwiGLU MLP, LM head, weight loading).
+Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend.
+MSA layers add the proxy branch of ../shared/MSA_SPEC.md:
+    index_q = RoPE(RMSNorm(index_q_proj(x)))  [T, Hi, Dp]     index_k = RoPE(RMSNorm(index_k_proj(x)))  [T, Hki, Dp]
+and attend through MSAAttention (FLASH_MSA). Checkpoint names follow HF Llama plus
+`self_attn.index_{q,k}_proj.weight` and `self_attn.index_{q,k}_norm.weight` on MSA layers.
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm_msa.config import MSAConfigError, MSAModelConfig
+from vllm_msa.layer import MSAAttention
+
+
+class FlashMSAAttention(nn.Module):
+    """Same constructor and forward as vLLM's LlamaAttention, so LlamaDecoderLayer can hold either."""
+
+    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
+                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type=None) -> None:
+        super().__init__()
+        if get_tensor_model_parallel_world_size() != 1:
+            raise MSAConfigError("FlashMSAForCausalLM runs with --tensor-parallel-size 1 only")
+        shape = MSAModelConfig.from_hf_config(config).layer_shape(config)
+        self.shape = shape
+        d, dp = shape.head_dim, shape.index_head_dim
+        self.q_size, self.kv_size = shape.num_q_heads * d, shape.num_kv_heads * d
+        self.qkv_proj = QKVParallelLinear(hidden_size, d, num_heads, num_kv_heads, bias=bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(num_heads * d, hidden_size, bias=bias_o_proj,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.index_q_proj = ReplicatedLinear(hidden_size, shape.num_index_heads * dp, bias=False,
+                                             quant_config=quant_config, prefix=f"{prefix}.index_q_proj")
+        self.index_k_proj = ReplicatedLinear(hidden_size, shape.num_index_key_heads * dp, bias=False,
+                                             quant_config=quant_config, prefix=f"{prefix}.index_k_proj")
+        self.index_q_norm = RMSNorm(dp, eps=config.rms_norm_eps)
+        self.index_k_norm = RMSNorm(dp, eps=config.rms_norm_eps)
+        rope = getattr(config, "rope_parameters", None)
+        self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
+        self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
+        self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        index_q = self._norm_heads(self.index_q_norm, self.index_q_proj(hidden_states)[0])
+        index_k = self._norm_heads(self.index_k_norm, self.index_k_proj(hidden_states)[0])
+        index_q, index_k = self.index_rotary_emb(positions, index_q, index_k)
+        output, _ = self.o_proj(self.attn(q, k, v, index_q, index_k))
+        return output
+
+    def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(-1, self.shape.index_head_dim)).reshape(x.shape)
+
+
+class FlashMSADecoderLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
+        config = config or vllm_config.model_config.hf_config
+        sparse = MSAModelConfig.from_hf_config(config).is_sparse(extract_layer_index(prefix))
+        super().__init__(vllm_config, prefix, config, attn_layer_type=FlashMSAAttention if sparse else LlamaAttention)
+
+
+class FlashMSAForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config)  # fail before building anything
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Proxy weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.
+        params = dict(self.named_parameters())
+        return super().load_weights((n, w) for n, w in weights if ".index_" not in n or n in params)

@@ -1,0 +1,75 @@
+"""The paged proxy-key side cache of an MSA layer: one [Hki * Dp] index-key vector per token.
+
+It is its own vLLM layer (its own KV cache spec, key-only) so the KV cache manager allocates it in
+the same KV cache group as the layer's K/V: same pages, same block table. Prefix caching,
+preemption and chunked prefill therefore keep proxy keys and K/V consistent without extra code.
+"""
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
+from vllm_msa.backend import FlashMSAMetadataBuilder
+
+
+class ProxyKeyCacheBackend(AttentionBackend):
+    """Key-only pages [num_pages, block_size, Hki * Dp]; metadata is the FLASH_MSA metadata."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_MSA_PROXY_KEYS"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's FlashMSAImpl")
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashMSAMetadataBuilder]:
+        return FlashMSAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, head_size)
+
+
+class ProxyKeyCache(nn.Module, AttentionLayerBase):
+    def __init__(self, num_key_heads: int, head_dim: int, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.num_key_heads = num_key_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.prefix = prefix
+        self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
+        forward_context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        forward_context[prefix] = self
+
+    def pages(self) -> torch.Tensor:
+        """The bound cache as [num_pages, block_size, Hki, Dp]."""
+        num_pages, block_size, _ = self.kv_cache.shape
+        return self.kv_cache.view(num_pages, block_size, self.num_key_heads, self.head_dim)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return ProxyKeyCacheBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        # MLAAttentionSpec budgets one vector per token (no separate V).
+        return MLAAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.num_key_heads * self.head_dim,
+            dtype=self.dtype,
+        )
+
+    def forward(self) -> None:  # the cache is filled by its MSA layer
+        raise RuntimeError("ProxyKeyCache holds pages only")

@@ -1,0 +1,47 @@
+"""Makes `--attention-backend FLASH_MSA` and the FlashMSAForCausalLM architecture known to vLLM.
+
+vLLM 0.26 parses the flag with `AttentionBackendEnum[name]`, and its enum has no FLASH_MSA member,
+so this module adds one. The member's value is a str subclass defined here: pickling the vLLM config
+into a spawned worker then imports this module (which adds the member again) before the enum value
+is looked up, so the name resolves in every process, whether or not plugins loaded there yet.
+Everything is idempotent: vLLM runs its general plugins in every process, some of them twice.
+"""
+
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+BACKEND_NAME = "FLASH_MSA"
+BACKEND_CLASS = "vllm_msa.backend.FlashMSABackend"
+ARCHITECTURES = {"FlashMSAForCausalLM": "vllm_msa.models.flash_msa:FlashMSAForCausalLM"}
+
+
+class _BackendPath(str):
+    """The FLASH_MSA member's value; unpickling it imports this module first."""
+
+
+def add_backend_name() -> AttentionBackendEnum:
+    enum = AttentionBackendEnum
+    if BACKEND_NAME in enum.__members__:
+        return enum[BACKEND_NAME]
+    value = _BackendPath(BACKEND_CLASS)
+    member = object.__new__(enum)
+    member._name_ = BACKEND_NAME
+    member._value_ = value
+    member.__objclass__ = enum
+    member._sort_order_ = len(enum._member_names_)
+    type.__setattr__(enum, BACKEND_NAME, member)  # EnumType.__setattr__ refuses member names
+    enum._member_names_.append(BACKEND_NAME)
+    enum._member_map_[BACKEND_NAME] = member
+    enum._value2member_map_[value] = member
+    return member
+
+
+def register_models() -> None:
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch, target in ARCHITECTURES.items():
+        if arch not in known:
+            ModelRegistry.register_model(arch, target)
+
+
+add_backend_name()
