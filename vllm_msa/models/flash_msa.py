@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -22,6 +23,8 @@ from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, 
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm_msa.config import MSAConfigError, MSAModelConfig
 from vllm_msa.layer import MSAAttention
+
+logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 
 class FlashMSAAttention(nn.Module):
@@ -75,8 +78,16 @@ class FlashMSADecoderLayer(LlamaDecoderLayer):
 
 class FlashMSAForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config)  # fail before building anything
+        hf_config = vllm_config.model_config.hf_config
+        msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
+        sparse = [i for i in range(hf_config.num_hidden_layers) if msa.is_sparse(i)]
+        logger.info(
+            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (PyTorch path; top-%d of %d-token blocks, %d local, %d init), "
+            "dense layers %s on the platform attention backend",
+            sparse, msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks,
+            list(msa.dense_layers),
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Proxy weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.

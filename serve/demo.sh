@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Serve the built-in demo MSA model with FLASH_MSA on 127.0.0.1 (OpenAI API: /v1/completions,
+# /v1/chat/completions). Sets up .venv and builds the demo checkpoint on first use.
+#   bash serve/demo.sh [--port 8000] [more `vllm serve` flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash serve/setup.sh
+model=${VLLM_MSA_DEMO_DIR:-runs/demo-msa}
+.venv/bin/python serve/build_demo_model.py "$model"
+# The CPU build sizes its KV cache from --kv-cache-memory-bytes; 1 GiB holds ~40 full 8K contexts here.
+exec .venv/bin/vllm serve "$model" \
+  --attention-backend FLASH_MSA \
+  --served-model-name demo-msa \
+  --host 127.0.0.1 --port 8000 \
+  --max-model-len 8192 \
+  --kv-cache-memory-bytes 1G \
+  "$@"
