@@ -26,6 +26,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    MultipleOf,
 )
 
 BACKEND_NAME = "FLASH_MSA"
@@ -38,6 +39,10 @@ class FlashMSABackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return BACKEND_NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [128]  # one MSA block per KV page
 
     @staticmethod
     def get_impl_cls() -> type["FlashMSAImpl"]:

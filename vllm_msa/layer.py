@@ -25,12 +25,6 @@ class MSAAttention(nn.Module, AttentionLayerBase):
     def __init__(self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str) -> None:
         super().__init__()
         vllm_config = get_current_vllm_config()
-        block_size = vllm_config.cache_config.block_size
-        if block_size != shape.block_size:
-            raise MSAConfigError(
-                f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
-                f"{shape.block_size} (its msa_config.block_size), not {block_size}"
-            )
         self.layer_name = prefix
         self.shape = shape
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
@@ -56,8 +50,15 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         return FlashMSABackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        # Asked after vLLM settled the block size (FlashMSABackend prefers 128 when none was given).
+        block_size = vllm_config.cache_config.block_size
+        if block_size != self.shape.block_size:
+            raise MSAConfigError(
+                f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
+                f"{self.shape.block_size} (its msa_config.block_size), not {block_size}"
+            )
         return FullAttentionSpec(
-            block_size=vllm_config.cache_config.block_size,
+            block_size=block_size,
             num_kv_heads=self.shape.num_kv_heads,
             head_size=self.shape.head_dim,
             head_size_v=self.shape.head_dim,

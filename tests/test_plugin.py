@@ -1,0 +1,89 @@
+"""Plugin registration (the FLASH_MSA name in every process) and msa_config validation."""
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_msa.config import MSAConfigError, MSAModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flash_msa_resolves_like_a_builtin_backend_and_unknown_names_still_fail():
+    import vllm_msa
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm_msa.backend import FlashMSABackend
+
+    vllm_msa.register()
+    vllm_msa.register()  # vLLM loads plugins in every process, sometimes twice
+    assert [m.name for m in AttentionBackendEnum].count("FLASH_MSA") == 1
+    backend = AttentionConfig(backend="flash_msa").backend
+    assert backend is AttentionBackendEnum.FLASH_MSA and backend.get_class() is FlashMSABackend
+    with pytest.raises(ValueError, match="Unknown attention backend: 'NOPE'"):
+        AttentionConfig(backend="NOPE")
+
+
+def test_config_with_flash_msa_unpickles_in_a_process_that_never_loaded_the_plugin():
+    import vllm_msa
+    from vllm.config.attention import AttentionConfig
+
+    vllm_msa.register()
+    payload = pickle.dumps(AttentionConfig(backend="FLASH_MSA"))
+    child = "import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); print(c.backend.name, c.backend.get_path())"
+    out = subprocess.run([sys.executable, "-c", child], input=payload, capture_output=True, check=True, timeout=300)
+    assert out.stdout.decode().splitlines()[-1].split() == ["FLASH_MSA", "vllm_msa.backend.FlashMSABackend"]
+
+
+def test_vllm_cli_rejects_an_unknown_backend_name(demo_model):
+    vllm = Path(sys.executable).with_name("vllm")
+    out = subprocess.run(
+        [str(vllm), "serve", str(demo_model), "--attention-backend", "NO_SUCH_BACKEND", "--port", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode != 0
+    assert "Unknown attention backend: 'NO_SUCH_BACKEND'" in out.stdout + out.stderr
+
+
+class _HF:
+    def __init__(self, **kw):
+        base = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256, head_dim=32)
+        self.__dict__.update(base | kw)
+
+
+MSA = dict(block_size=128, topk_blocks=4, num_index_heads=4, index_head_dim=32, dense_layers=[0])
+
+
+def test_msa_config_parses_and_builds_layer_shapes():
+    config = MSAModelConfig.from_hf_config(_HF(msa_config=MSA))
+    assert config.dense_layers == (0,) and not config.is_sparse(0) and config.is_sparse(3)
+    shape = config.layer_shape(_HF(msa_config=MSA))
+    assert (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.heads_per_index_head) == (8, 2, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "msa_config, message",
+    [
+        (None, "has no 'msa_config'"),
+        ({k: v for k, v in MSA.items() if k != "topk_blocks"}, r"missing \['topk_blocks'\]"),
+        (MSA | {"topk": 3}, r"unknown fields \['topk'\]"),
+        (MSA | {"topk_blocks": "4"}, "msa_config.topk_blocks must be an integer"),
+        (MSA | {"num_index_heads": 3}, "num_index_heads 3 must be a multiple of num_kv_heads 2"),
+        (MSA | {"dense_layers": [7]}, r"dense_layers \[7\] outside 0..3"),
+    ],
+)
+def test_bad_msa_config_names_the_field(msa_config, message):
+    hf = _HF() if msa_config is None else _HF(msa_config=msa_config)
+    with pytest.raises(MSAConfigError, match=message):
+        MSAModelConfig.from_hf_config(hf)
+
+
+def test_demo_checkpoint_is_sparse_at_2k_tokens(demo_model):
+    config = json.loads((demo_model / "config.json").read_text())
+    msa = config["msa_config"]
+    assert config["architectures"] == ["FlashMSAForCausalLM"]
+    assert msa["topk_blocks"] * msa["block_size"] < 2048  # a 2K prompt spans more blocks than k
