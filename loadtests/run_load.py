@@ -122,6 +122,14 @@ def _num(v: str) -> float | None:
         return None
 
 
+def _csv_rows(path: str) -> list[dict[str, str]]:
+    """The rows of a locust CSV file, or none if locust did not write it."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def parse_locust_csv(csv_prefix: str) -> dict[str, Any]:
     """Parse ``{prefix}_stats.csv``, ``_failures.csv`` and ``_exceptions.csv``."""
     rows: list[dict[str, Any]] = []
@@ -144,31 +152,19 @@ def parse_locust_csv(csv_prefix: str) -> dict[str, Any]:
                 aggregated = row
             else:
                 rows.append(row)
-    failures: list[dict[str, Any]] = []
-    path = f"{csv_prefix}_failures.csv"
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                failures.append(
-                    {
-                        "method": r.get("Method", ""),
-                        "name": r.get("Name", ""),
-                        "error": r.get("Error", ""),
-                        "occurrences": int(r.get("Occurrences") or 0),
-                    }
-                )
-    exceptions: list[dict[str, Any]] = []
-    path = f"{csv_prefix}_exceptions.csv"
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                exceptions.append(
-                    {
-                        "count": int(r.get("Count") or 0),
-                        "message": r.get("Message", ""),
-                        "traceback": r.get("Traceback", ""),
-                    }
-                )
+    failures = [
+        {
+            "method": r.get("Method", ""),
+            "name": r.get("Name", ""),
+            "error": r.get("Error", ""),
+            "occurrences": int(r.get("Occurrences") or 0),
+        }
+        for r in _csv_rows(f"{csv_prefix}_failures.csv")
+    ]
+    exceptions = [
+        {"count": int(r.get("Count") or 0), "message": r.get("Message", ""), "traceback": r.get("Traceback", "")}
+        for r in _csv_rows(f"{csv_prefix}_exceptions.csv")
+    ]
     return {"rows": rows, "aggregated": aggregated, "failures": failures, "exceptions": exceptions}
 
 
