@@ -92,11 +92,16 @@ class PagedBatch:
         return self.query_start_loc_cpu[-1]
 
     @cached_property
+    def token_requests(self) -> torch.Tensor:
+        """Request index of every query token, [num_tokens] int32."""
+        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        requests = torch.arange(self.num_requests, dtype=torch.int32, device=q_lens.device)
+        return torch.repeat_interleave(requests, q_lens, output_size=self.num_tokens)
+
+    @cached_property
     def positions(self) -> torch.Tensor:
         """Position of every query token in its sequence, [num_tokens] int64."""
-        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        request = torch.repeat_interleave(
-            torch.arange(self.num_requests, device=q_lens.device), q_lens, output_size=self.num_tokens
-        )
-        offset_in_query = torch.arange(self.num_tokens, device=q_lens.device) - self.query_start_loc[request]
-        return (self.seq_lens[request] - q_lens[request] + offset_in_query).long()
+        request = self.token_requests.long()
+        q_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1])[request]
+        offset_in_query = torch.arange(self.num_tokens, device=request.device) - self.query_start_loc[request]
+        return (self.seq_lens[request] - q_lens + offset_in_query).long()
