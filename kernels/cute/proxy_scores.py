@@ -3,10 +3,12 @@
 Computes reference.proxy_block_scores: out[t, h, b] = max over visible keys j of block b of
 index_q[t, h] . proxy_key[j, h // (Hi / Hki)], -inf for blocks with no visible key.
 
-One CTA per (logical block, query token), one thread per key of the 128-token block: each thread
-loads its key row once (vectorised), dots it with every index head's query, and the CTA reduces the
-max with warp shuffles and a [warps, Hi] shared-memory exchange. This is the SIMT decode path
-(memory bound: each key page is read once per query token).
+One CTA (128 threads) per (logical block, query token). Dp/8 neighbouring lanes share a key row,
+each loading 16 contiguous bytes, so a warp reads whole rows (coalesced); a thread keeps its 8-wide
+slice of every index query in registers, the lanes of a row add their partial dots with shuffles,
+each thread keeps a running max per head over its rows, and the CTA reduces the max with warp
+shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path: memory bound, each key page
+is read once per query token.
 """
 
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 WARP = 32
+VEC = 8  # bf16 elements per 16-byte load
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,20 @@ class ProxyScoreParams:
     def warps(self) -> int:
         return self.block_size // WARP
 
+    @property
+    def lanes_per_row(self) -> int:
+        """Threads sharing one key row, each loading VEC contiguous elements."""
+        return self.index_head_dim // VEC
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.block_size // self.lanes_per_row
+
 
 class ProxyScoreKernel:
     def __init__(self, params: ProxyScoreParams):
         assert params.block_size % WARP == 0 and params.num_index_heads % params.num_index_key_heads == 0
+        assert params.index_head_dim % VEC == 0 and WARP % params.lanes_per_row == 0
         self.p = params
 
     @cute.jit
@@ -76,31 +89,40 @@ class ProxyScoreKernel:
 
         position = token_position[token]
         neg_inf = cutlass.Float32(-cutlass.Float32.inf)
+        col = tidx % p.lanes_per_row
+        best = cute.make_rmem_tensor((p.num_index_heads,), cutlass.Float32)
+        best.fill(neg_inf)
         if block * p.block_size <= position:
             page = block_table[token_request[token], block]
-            visible = block * p.block_size + tidx <= position
             for kh in cutlass.range_constexpr(p.num_index_key_heads):
-                key = cute.make_fragment_like(proxy_cache[page, tidx, kh, None])
-                cute.autovec_copy(proxy_cache[page, tidx, kh, None], key)
-                k = key.load().to(cutlass.Float32)
+                queries = []
                 for g in cutlass.range_constexpr(heads_per_key):
-                    h = kh * heads_per_key + g
-                    query = cute.make_fragment_like(index_q[token, h, None])
-                    cute.autovec_copy(index_q[token, h, None], query)
-                    score = (k * query.load().to(cutlass.Float32)).reduce(
-                        cute.ReductionOp.ADD, cutlass.Float32(0.0), reduction_profile=0
-                    )
-                    if not visible:
-                        score = neg_inf
-                    score = cute.arch.warp_reduction_max(score)
-                    if lane == 0:
-                        partial_max[warp, h] = score
+                    q_chunk = cute.zipped_divide(index_q[token, kh * heads_per_key + g, None], (VEC,))[(None, col)]
+                    q_frag = cute.make_fragment_like(q_chunk)
+                    cute.autovec_copy(q_chunk, q_frag)
+                    queries.append(q_frag.load().to(cutlass.Float32))
+                for step in cutlass.range_constexpr(p.block_size // p.rows_per_step):
+                    row = tidx // p.lanes_per_row + step * p.rows_per_step
+                    k_chunk = cute.zipped_divide(proxy_cache[page, row, kh, None], (VEC,))[(None, col)]
+                    k_frag = cute.make_fragment_like(k_chunk)
+                    cute.autovec_copy(k_chunk, k_frag)
+                    k = k_frag.load().to(cutlass.Float32)
+                    for g in cutlass.range_constexpr(heads_per_key):
+                        h = kh * heads_per_key + g
+                        partial = (k * queries[g]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), reduction_profile=0)
+                        score = cute.arch.warp_reduction_sum(partial, threads_in_group=p.lanes_per_row)
+                        if block * p.block_size + row <= position:
+                            best[h] = cute.arch.fmax(best[h], score)
+            for h in cutlass.range_constexpr(p.num_index_heads):
+                score = cute.arch.warp_reduction_max(best[h])
+                if lane == 0:
+                    partial_max[warp, h] = score
             cute.arch.sync_threads()
             if tidx < p.num_index_heads:
-                best = partial_max[0, tidx]
+                block_max = partial_max[0, tidx]
                 for w in cutlass.range_constexpr(1, p.warps):
-                    best = cute.arch.fmax(best, partial_max[w, tidx])
-                out[(token * p.num_index_heads + tidx) * max_blocks + block] = best
+                    block_max = cute.arch.fmax(block_max, partial_max[w, tidx])
+                out[(token * p.num_index_heads + tidx) * max_blocks + block] = block_max
         else:
             if tidx < p.num_index_heads:
                 out[(token * p.num_index_heads + tidx) * max_blocks + block] = neg_inf
