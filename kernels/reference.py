@@ -1,6 +1,6 @@
 """MSA in plain PyTorch on paged caches: the function every kernel must compute, and the CPU path.
 
-Three steps, as in ../shared/MSA_SPEC.md:
+Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them):
   proxy_block_scores  index queries x paged proxy keys, causal, max-pooled per block
   select_blocks       top-k blocks per (token, index head), local/init blocks forced, -1 padded
   sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
@@ -132,26 +132,6 @@ def sparse_attention(
             o = torch.einsum("tkgn,nkd->tkgd", p.view(n, hkv, hq // hkv, -1), values)
             out[c0:c1] = o.reshape(n, hq, d).to(out.dtype)
     return out
-
-
-def msa_attention(
-    q: torch.Tensor,
-    index_q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    proxy_cache: torch.Tensor,
-    batch: PagedBatch,
-    shape: MSAShape,
-    scale: float,
-    out: torch.Tensor | None = None,
-    proxy_batch: PagedBatch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole MSA layer once the caches hold the new tokens: returns (output, selected blocks).
-
-    proxy_batch: the proxy cache's own block table when it differs from the K/V cache's.
-    """
-    scores = proxy_block_scores(index_q, proxy_cache, proxy_batch or batch, shape)
-    selected = select_blocks(scores, batch.positions, shape)
-    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected
 
 
 def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kernels.reference import msa_attention
+from kernels.ops import msa_attention
 from kernels.shapes import PagedBatch
 from vllm_msa.config import MSAModelConfig
 

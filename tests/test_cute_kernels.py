@@ -52,3 +52,24 @@ def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
     # same top-k selection except at exact ties
     positions = case.batch.positions
     assert torch.equal(reference.select_blocks(got, positions, shape), reference.select_blocks(want, positions, shape))
+
+
+@gpu
+@pytest.mark.gpu
+def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
+    from kernels import ops
+
+    shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+                     index_head_dim=128, topk_blocks=16)
+    case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
+    assert ops.uses_cute_proxy_scores(case.index_q, shape)
+    assert ops.describe(case.q.device, case.q.dtype, shape).startswith("proxy scores: CuTeDSL")
+    out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
+                                      case.scale, out=torch.full_like(case.q, float("nan")))
+    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    assert torch.equal(selected, want_sel)
+    want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale)
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0)
+    rel = (out.float() - want).norm() / want.norm()
+    assert cos >= 0.99 and rel <= 1e-2, (cos, rel)

@@ -5,7 +5,8 @@ import zlib
 import pytest
 import torch
 
-from kernels.reference import msa_attention, proxy_block_scores, select_blocks, sparse_attention, write_paged
+from kernels.ops import msa_attention
+from kernels.reference import proxy_block_scores, select_blocks, sparse_attention, write_paged
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import make_case
 from tests.naive_msa import naive_msa

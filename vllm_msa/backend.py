@@ -3,7 +3,8 @@
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
 FlashMSAImpl.forward_msa writes the new K/V and proxy keys into their paged caches, scores the
-proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only.
+proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only
+(kernels.ops: CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
 Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
 CUDA) run FlashMSAImpl.forward, the same sparse attention with every visible block selected.
@@ -16,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kernels import reference
+from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -185,7 +186,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         n = attn_metadata.num_actual_tokens
         self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
         reference.write_paged(proxy_cache, proxy_metadata.slot_mapping, index_key)
-        _, selected = reference.msa_attention(
+        _, selected = ops.msa_attention(
             query[:n],
             index_query[:n],
             kv_cache,

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
+from kernels import ops
 from vllm_msa.config import MSAConfigError, MSAModelConfig
 from vllm_msa.layer import MSAAttention
 
@@ -83,9 +84,10 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
         sparse = [i for i in range(hf_config.num_hidden_layers) if msa.is_sparse(i)]
         logger.info(
-            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (PyTorch path; top-%d of %d-token blocks, %d local, %d init), "
+            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
             "dense layers %s on the platform attention backend",
-            sparse, msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks,
+            sparse, ops.describe(vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)),
+            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks,
             list(msa.dense_layers),
         )
 
