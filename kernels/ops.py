@@ -11,6 +11,7 @@ import functools
 import torch
 
 from kernels import reference
+from kernels.cute import proxy_scores_supported
 from kernels.shapes import MSAShape, PagedBatch
 
 
@@ -29,9 +30,7 @@ def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape) -> bool:
     return (
         index_q.is_cuda
         and index_q.dtype == torch.bfloat16
-        and shape.block_size == 128
-        and shape.index_head_dim % 8 == 0
-        and 32 % (shape.index_head_dim // 8) == 0
+        and proxy_scores_supported(shape.index_head_dim, shape.block_size)
         and _cute_available(index_q.device.index or 0)
     )
 

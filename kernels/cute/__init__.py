@@ -2,8 +2,8 @@
 
 proxy_scores  causal max-pooled proxy block scores (decode/SIMT path)
 
-Kernels compile once per parameter set and process (functools.cache); `compiled(...)` takes the
-problem as torch tensors on the GPU.
+Kernels compile once per parameter set and process (functools.cache) and are called with the torch
+tensors converted through dlpack. This module imports no CuTeDSL until a kernel is needed.
 """
 
 import functools
@@ -11,6 +11,11 @@ import functools
 import torch
 
 from kernels.shapes import MSAShape, PagedBatch
+
+
+def proxy_scores_supported(index_head_dim: int, block_size: int) -> bool:
+    """Shapes the proxy score kernel serves: 128-token blocks, 16-byte row chunks within a warp."""
+    return block_size == 128 and index_head_dim % 8 == 0 and 32 % (index_head_dim // 8) == 0
 
 
 @functools.cache
@@ -38,5 +43,6 @@ def proxy_block_scores(
         (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
         dtype=torch.float32, device=index_q.device,
     )
-    kernel(*(_cute(t) for t in (index_q, proxy_cache, batch.block_table.to(torch.int32), batch.token_requests, positions, out.view(-1))))
+    args = (index_q, proxy_cache, batch.block_table.to(torch.int32), batch.token_requests, positions, out.view(-1))
+    kernel(*(_cute(t) for t in args))
     return out

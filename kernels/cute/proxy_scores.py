@@ -17,6 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
+from kernels.cute import proxy_scores_supported
+
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
 
@@ -44,8 +46,8 @@ class ProxyScoreParams:
 
 class ProxyScoreKernel:
     def __init__(self, params: ProxyScoreParams):
-        assert params.block_size % WARP == 0 and params.num_index_heads % params.num_index_key_heads == 0
-        assert params.index_head_dim % VEC == 0 and WARP % params.lanes_per_row == 0
+        assert params.num_index_heads % params.num_index_key_heads == 0
+        assert proxy_scores_supported(params.index_head_dim, params.block_size)
         self.p = params
 
     @cute.jit
