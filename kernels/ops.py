@@ -3,7 +3,7 @@
 
     proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py), else reference
     top-k selection   reference (torch ops, on the inputs' device)
-    sparse attention  reference
+    sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn.py + combine.py), else reference
 """
 
 import functools
@@ -11,7 +11,7 @@ import functools
 import torch
 
 from kernels import reference
-from kernels.cute import proxy_scores_supported
+from kernels.cute import proxy_scores_supported, sparse_attention_supported
 from kernels.shapes import MSAShape, PagedBatch
 
 
@@ -26,28 +26,40 @@ def _cute_available(device_index: int) -> bool:
     return True
 
 
+def _on_hopper_bf16(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype == torch.bfloat16 and _cute_available(t.device.index or 0)
+
+
 def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape) -> bool:
-    return (
-        index_q.is_cuda
-        and index_q.dtype == torch.bfloat16
-        and proxy_scores_supported(shape.index_head_dim, shape.block_size)
-        and _cute_available(index_q.device.index or 0)
-    )
+    return proxy_scores_supported(shape.index_head_dim, shape.block_size) and _on_hopper_bf16(index_q)
+
+
+def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape) -> bool:
+    return sparse_attention_supported(shape.head_dim, shape.block_size) and _on_hopper_bf16(q)
 
 
 def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
     """Which implementation runs each step, for startup logs."""
     probe = torch.empty(0, device=device, dtype=dtype)
     proxy = "CuTeDSL" if uses_cute_proxy_scores(probe, shape) else "PyTorch"
-    return f"proxy scores: {proxy}, top-k: PyTorch, sparse attention: PyTorch"
+    attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
+    return f"proxy scores: {proxy}, top-k: PyTorch, sparse attention: {attention}"
 
 
 def proxy_block_scores(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
     if uses_cute_proxy_scores(index_q, shape):
         from kernels import cute
 
-        return cute.proxy_block_scores(index_q.contiguous(), proxy_cache, batch, shape)
+        return cute.proxy_block_scores(index_q, proxy_cache, batch, shape)
     return reference.proxy_block_scores(index_q, proxy_cache, batch, shape)
+
+
+def sparse_attention(q, kv_cache, batch: PagedBatch, selected, shape: MSAShape, scale: float, out=None):
+    if uses_cute_sparse_attention(q, shape) and kv_cache.is_contiguous():
+        from kernels import cute
+
+        return cute.sparse_attention(q, kv_cache, batch, selected, shape, scale, out)
+    return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out)
 
 
 def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float,
@@ -58,4 +70,4 @@ def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: M
     """
     scores = proxy_block_scores(index_q, proxy_cache, proxy_batch or batch, shape)
     selected = reference.select_blocks(scores, batch.positions, shape)
-    return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected
+    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected

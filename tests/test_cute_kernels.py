@@ -1,4 +1,4 @@
-"""CuTeDSL kernels: compile for sm_90a everywhere (CI has no GPU), match the reference on a GPU."""
+"""CuTeDSL kernels: compile every variant for sm_90a everywhere (CI has no GPU), match the reference on a GPU."""
 
 import os
 
@@ -20,6 +20,28 @@ def test_proxy_score_kernel_compiles_for_sm90a(hi, hki, dp, monkeypatch):
     from kernels.cute.proxy_scores import ProxyScoreParams, compile_proxy_scores
 
     assert compile_proxy_scores(ProxyScoreParams(hi, hki, dp)) is not None
+
+
+# (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
+# (m = 32); Hi > Hkv (m = 4)
+ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]
+
+
+@pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
+@pytest.mark.parametrize("split", [False, True])
+def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    from kernels.cute.sparse_attn import SparseAttentionParams, compile_sparse_attention
+
+    assert compile_sparse_attention(SparseAttentionParams(hq, hkv, hi, d, split=split)) is not None
+
+
+@pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
+def test_combine_kernel_compiles_for_sm90a(hq, d, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    from kernels.cute.combine import CombineParams, compile_combine
+
+    assert compile_combine(CombineParams(hq, d)) is not None
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -54,6 +76,39 @@ def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
     assert torch.equal(reference.select_blocks(got, positions, shape), reference.select_blocks(want, positions, shape))
 
 
+ATTENTION_CASES = {
+    # decode: few tokens, so the blocks are split across CTAs and merged by the combine kernel
+    "decode_ragged": ([1, 1, 1, 1, 1], [1, 129, 1000, 4000, 8191]),
+    "decode_long": ([1, 1], [131072, 70001]),
+    "decode_fewer_blocks_than_k": ([1, 1, 1], [5, 300, 1500]),
+    # prefill / chunked prefill / mixed: one split, final output written by the kernel
+    "prefill_ragged": ([300, 77, 1], [300, 1000, 2049]),
+    "chunked_prefill": ([256], [6000]),
+}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ATTENTION_CASES)
+@pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d):
+    from kernels import cute as cute_kernels
+
+    shape = MSAShape(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_index_heads=hi, num_index_key_heads=1,
+                     index_head_dim=64, topk_blocks=16)
+    q_lens, seq_lens = ATTENTION_CASES[case_name]
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
+    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    selected = reference.select_blocks(scores, case.batch.positions, shape)
+    got = cute_kernels.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale,
+                                        out=torch.full_like(case.q, float("nan")))
+    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
+    assert torch.isfinite(got).all()
+    cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
+    rel = (got.double() - want).norm() / want.norm()
+    assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())
+
+
 @gpu
 @pytest.mark.gpu
 def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
@@ -62,8 +117,10 @@ def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
-    assert ops.uses_cute_proxy_scores(case.index_q, shape)
-    assert ops.describe(case.q.device, case.q.dtype, shape).startswith("proxy scores: CuTeDSL")
+    assert ops.uses_cute_proxy_scores(case.index_q, shape) and ops.uses_cute_sparse_attention(case.q, shape)
+    assert ops.describe(case.q.device, case.q.dtype, shape) == (
+        "proxy scores: CuTeDSL, top-k: PyTorch, sparse attention: CuTeDSL"
+    )
     out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                       case.scale, out=torch.full_like(case.q, float("nan")))
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)

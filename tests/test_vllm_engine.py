@@ -5,6 +5,8 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_full_k  FLASH_MSA with top-k covering every block: must equal dense
   msa         FLASH_MSA, demo top-k (4 of up to 24 blocks), prefix caching + chunked prefill (512)
   msa_plain   same model, prefix caching off, chunked prefill off
+  msa_tight   as msa, with a KV cache of 36 pages for 10 concurrent 500-1400-token requests, so the
+              scheduler must preempt; each request's tokens must equal running it alone (in msa)
 """
 
 import json
@@ -29,6 +31,14 @@ def prompts(demo_model):
     # Two prompts sharing a 1900-token prefix (15 full blocks) with different tails: prefix-cache hits.
     shared = fresh[0][:1900]
     return fresh + [shared + fresh[1][:300], shared + fresh[2][:77]]
+
+
+@pytest.fixture(scope="module")
+def concurrent_prompts(demo_model):
+    rng = random.Random(99)
+    vocab = json.loads((demo_model / "config.json").read_text())["vocab_size"]
+    fresh = [[rng.randrange(5, vocab) for _ in range(rng.randrange(500, 1400))] for _ in range(8)]
+    return fresh + [fresh[0][:640] + fresh[1][:200], fresh[2][:300] + fresh[3][:400]]  # prefix hits too
 
 
 @contextmanager
@@ -75,12 +85,25 @@ def msa_full_k_tokens(demo_model, prompts):
 
 
 @pytest.fixture(scope="module")
-def msa_tokens(demo_model, prompts):
-    """Runs the batch twice in one engine: the second pass is served from the prefix cache."""
+def msa_tokens(demo_model, prompts, concurrent_prompts):
+    """Runs the batch twice in one engine (the second pass is served from the prefix cache), then
+    each of the concurrent prompts alone."""
     with engine(demo_model, enable_prefix_caching=True, max_num_batched_tokens=512) as llm:
         first = greedy(llm, prompts)
         second = greedy(llm, prompts)
-    return first, second
+        alone = [greedy(llm, [p])[0] for p in concurrent_prompts]
+    return first, second, alone
+
+
+@pytest.fixture(scope="module")
+def msa_tight_tokens(demo_model, concurrent_prompts):
+    """All concurrent prompts at once in a KV cache of 36 pages (4608 tokens): returns tokens, metrics."""
+    page_bytes = 128 * 2432  # fp32 K/V of 4 layers (2 heads x 32) + proxy keys of 3 MSA layers (32)
+    with engine(demo_model, enable_prefix_caching=True, max_num_batched_tokens=512,
+                kv_cache_memory_bytes=36 * page_bytes, disable_log_stats=False) as llm:
+        tokens = greedy(llm, concurrent_prompts)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return tokens, metrics
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +118,7 @@ def test_topk_covering_all_blocks_equals_vllm_dense_backend(dense_tokens, msa_fu
 
 
 def test_small_k_is_sparse_and_matches_the_reference_model(demo_model, prompts, msa_tokens, dense_tokens):
-    tokens, _ = msa_tokens
+    tokens, _, _ = msa_tokens
     reference = ReferenceFlashMSA(demo_model)
     for prompt, got in zip(prompts, tokens):
         assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
@@ -107,6 +130,20 @@ def test_small_k_is_sparse_and_matches_the_reference_model(demo_model, prompts, 
 
 
 def test_prefix_cache_hits_and_chunked_prefill_give_identical_tokens(msa_tokens, msa_plain_tokens):
-    first, second = msa_tokens
+    first, second, _ = msa_tokens
     assert second == first  # every prompt now hits the prefix cache
     assert first == msa_plain_tokens  # no prefix caching, no chunking
+
+
+def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_running_alone(
+    msa_tokens, msa_tight_tokens
+):
+    _, _, alone = msa_tokens
+    tokens, metrics = msa_tight_tokens
+    print(f"\ntight KV cache: {metrics['vllm:num_preemptions']:.0f} preemptions, "
+          f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens, {metrics['vllm:msa_selections']:.0f} selections")
+    assert metrics["vllm:num_preemptions"] > 0  # the cache really was too small
+    assert metrics["vllm:prefix_cache_hits"] > 0
+    assert metrics["vllm:msa_selections"] > 0  # the sparse-layer metrics reach LLM.get_metrics() too
+    for i, (got, want) in enumerate(zip(tokens, alone)):
+        assert got == want, i

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor
 
 from kernels.cute import proxy_scores_supported
+from kernels.cute.fake import row_major
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -58,12 +58,12 @@ class ProxyScoreKernel:
         block_table: cute.Tensor,  # [R, max_blocks] int32
         token_request: cute.Tensor,  # [T] int32
         token_position: cute.Tensor,  # [T] int32
-        out: cute.Tensor,  # [T * Hi * max_blocks] fp32, row-major [T, Hi, max_blocks]
+        out: cute.Tensor,  # [T, Hi, max_blocks] fp32
     ):
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
         self.kernel(index_q, proxy_cache, block_table, token_request, token_position, out).launch(
-            grid=[max_blocks, num_tokens, 1], block=[self.p.block_size, 1, 1]
+            grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1]
         )
 
     @cute.kernel
@@ -77,10 +77,9 @@ class ProxyScoreKernel:
         out: cute.Tensor,
     ):
         p = self.p
-        max_blocks = cute.size(block_table, mode=[1])
         heads_per_key = p.num_index_heads // p.num_index_key_heads
         tidx, _, _ = cute.arch.thread_idx()
-        block, token, _ = cute.arch.block_idx()
+        token, block, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
 
@@ -124,25 +123,22 @@ class ProxyScoreKernel:
                 block_max = partial_max[0, tidx]
                 for w in cutlass.range_constexpr(1, p.warps):
                     block_max = cute.arch.fmax(block_max, partial_max[w, tidx])
-                out[(token * p.num_index_heads + tidx) * max_blocks + block] = block_max
+                out[token, tidx, block] = block_max
         else:
             if tidx < p.num_index_heads:
-                out[(token * p.num_index_heads + tidx) * max_blocks + block] = neg_inf
+                out[token, tidx, block] = neg_inf
 
 
 def fake_arguments(params: ProxyScoreParams):
     """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    t, pages, r, nb, n_out = (cute.sym_int() for _ in range(5))
-    hi, hki, dp, b = params.num_index_heads, params.num_index_key_heads, params.index_head_dim, params.block_size
-    row_major = lambda n: tuple(range(n - 1, -1, -1))  # noqa: E731
     bf16, i32 = cutlass.BFloat16, cutlass.Int32
     return (
-        make_fake_compact_tensor(bf16, (t, hi, dp), stride_order=row_major(3), assumed_align=16),
-        make_fake_compact_tensor(bf16, (pages, b, hki, dp), stride_order=row_major(4), assumed_align=16),
-        make_fake_compact_tensor(i32, (r, nb), stride_order=row_major(2)),
-        make_fake_compact_tensor(i32, (t,)),
-        make_fake_compact_tensor(i32, (t,)),
-        make_fake_compact_tensor(cutlass.Float32, (n_out,)),
+        row_major(bf16, 3, align=16),  # index_q
+        row_major(bf16, 4, align=16),  # proxy_cache
+        row_major(i32, 2),  # block_table
+        row_major(i32, 1),  # token_request
+        row_major(i32, 1),  # token_position
+        row_major(cutlass.Float32, 3),  # out
     )
 
 

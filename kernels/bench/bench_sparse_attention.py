@@ -1,0 +1,139 @@
+"""Benchmark: CuTeDSL MSA layer steps vs dense attention on the same shapes, on one GPU, in one run.
+
+    python kernels/bench/bench_sparse_attention.py   (on the GPU machine, CuTeDSL installed)
+
+M3 shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, k 16, bf16. Ceilings measured in the same run:
+device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA on contiguous K/V
+(the backend it picked is printed). Block selections come from random proxy scores (the kernels'
+cost does not depend on which blocks are picked, only on how many).
+
+decode:  one query token per sequence; sparse attention bytes = K/V of the selected blocks;
+         MSA layer = proxy scores + top-k + sparse attention (kernels.ops.msa_attention).
+prefill: one sequence of N new tokens; sparse attention FLOPs = 4 * tokens * Hq * D * keys read.
+"""
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import cute as cute_kernels
+from kernels import ops, reference
+from kernels.shapes import MSAShape, PagedBatch
+
+SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+                 index_head_dim=128, topk_blocks=16)
+
+
+def timed(fn, iters=10):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3
+
+
+def ceilings():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() / timed(lambda: y.copy_(x))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * 8192**3 / timed(lambda: a @ b)
+    return bw, flops
+
+
+def dense_attention(q, k, v):
+    """torch SDPA, causal for prefill, with the first fused backend that takes these GQA inputs."""
+    causal = q.shape[2] > 1
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH):
+
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        try:
+            run()
+            return backend.name, run
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend ran")
+
+
+def paged_problem(batch, context, q_len):
+    blocks = -(-context // 128)
+    shape = SHAPE
+    pages = torch.randperm(batch * blocks, device="cuda", dtype=torch.int32).view(batch, blocks)
+    kv = torch.randn(batch * blocks, 2, 128, shape.num_kv_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    proxy = torch.randn(batch * blocks, 128, 1, shape.index_head_dim, device="cuda", dtype=torch.bfloat16)
+    tokens = batch * q_len
+    q = torch.randn(tokens, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    index_q = torch.randn(tokens, shape.num_index_heads, shape.index_head_dim, device="cuda", dtype=torch.bfloat16)
+    pb = PagedBatch(
+        query_start_loc=torch.arange(0, tokens + 1, q_len, device="cuda", dtype=torch.int32),
+        seq_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
+        block_table=pages,
+    )
+    scores = torch.randn(tokens, shape.num_index_heads, blocks, device="cuda")
+    selected = reference.select_blocks(scores, pb.positions, shape)
+    return pb, q, index_q, kv, proxy, selected
+
+
+def decode(bw):
+    print("\n## decode (one token per sequence)\n")
+    print("| context | batch | sparse attn us | GB/s | % copy bw | MSA layer us | dense SDPA us | layer vs dense |")
+    print("|---|---|---|---|---|---|---|---|")
+    for context in (8192, 32768, 131072):
+        for batch in (1, 8, 32):
+            pb, q, index_q, kv, proxy, selected = paged_problem(batch, context, 1)
+            t_sparse = timed(lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088))
+            t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, proxy, pb, SHAPE, 0.088))
+            nbytes = batch * SHAPE.num_index_heads * min(16, context // 128) * 128 * SHAPE.head_dim * 2 * 2
+            dq = q.view(batch, 1, 64, 128).transpose(1, 2)
+            dk = torch.randn(batch, SHAPE.num_kv_heads, context, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+            dv = torch.randn_like(dk)
+            name, dense = dense_attention(dq, dk, dv)
+            t_dense = timed(dense)
+            del dk, dv
+            print(f"| {context} | {batch} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
+                  f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} | {t_dense * 1e6:.1f} ({name}) | "
+                  f"{t_dense / t_layer:.1f}x |")
+
+
+def prefill(flops):
+    print("\n## prefill (one sequence, all tokens new)\n")
+    print("| tokens | sparse attn ms | TFLOP/s | % matmul | proxy scores ms | dense SDPA ms | sparse attn vs dense |")
+    print("|---|---|---|---|---|---|---|")
+    for context in (8192, 32768, 131072):
+        pb, q, index_q, kv, proxy, selected = paged_problem(1, context, context)
+        t_sparse = timed(lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088), iters=3)
+        keys = (selected >= 0).sum().item() * 128 * SHAPE.heads_per_index_head  # upper bound: whole blocks
+        fl = 4 * keys * SHAPE.head_dim
+        t_proxy = timed(lambda: cute_kernels.proxy_block_scores(index_q, proxy, pb, SHAPE), iters=1) \
+            if context <= 32768 else math.nan
+        dq = q.view(1, context, 64, 128).transpose(1, 2)
+        dk = torch.randn(1, SHAPE.num_kv_heads, context, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+        name, dense = dense_attention(dq, dk, torch.randn_like(dk))
+        t_dense = timed(dense, iters=2)
+        print(f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
+              f"{t_proxy * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | {t_dense / t_sparse:.1f}x |")
+
+
+def main():
+    t0 = time.time()
+    bw, flops = ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    decode(bw)
+    prefill(flops)
+    print(f"\ntotal {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""CuTeDSL kernel: merge the split-K partials of sparse_attention.py into the final output.
+
+out[t, g] = sum_s w_s o_s[t, g] / sum_s w_s with w_s = exp(lse_s[t, g] - max_s lse_s[t, g]);
+splits that saw no key have lse = -inf and weight 0. One CTA per (token, query head), one thread
+per output element of the head dim.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from kernels.cute.fake import row_major
+
+
+@dataclass(frozen=True)
+class CombineParams:
+    num_q_heads: int  # Hq
+    head_dim: int  # D: threads per CTA
+
+
+class CombineKernel:
+    def __init__(self, params: CombineParams):
+        self.p = params
+
+    @cute.jit
+    def __call__(
+        self,
+        partial_out: cute.Tensor,  # [S, T, Hq, D] fp32
+        partial_lse: cute.Tensor,  # [S, T, Hq] fp32
+        out: cute.Tensor,  # [T, Hq, D] bf16
+    ):
+        num_tokens = cute.size(out, mode=[0])
+        self.kernel(partial_out, partial_lse, out).launch(
+            grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1]
+        )
+
+    @cute.kernel
+    def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor):
+        d, _, _ = cute.arch.thread_idx()
+        token, head, _ = cute.arch.block_idx()
+        num_splits = cute.size(partial_lse, mode=[0])
+        lse_max = -cutlass.Float32.inf
+        for s in range(num_splits):
+            lse_max = cute.arch.fmax(lse_max, partial_lse[s, token, head])
+        total = cutlass.Float32(0.0)
+        acc = cutlass.Float32(0.0)
+        for s in range(num_splits):
+            lse = partial_lse[s, token, head]
+            if lse > -cutlass.Float32.inf:
+                weight = cute.math.exp(lse - lse_max, fastmath=True)
+                total += weight
+                acc += weight * partial_out[s, token, head, d]
+        out[token, head, d] = (acc / total).to(out.element_type)
+
+
+def fake_arguments(params: CombineParams):
+    return (
+        row_major(cutlass.Float32, 4, align=16),  # partial_out
+        row_major(cutlass.Float32, 3),  # partial_lse
+        row_major(cutlass.BFloat16, 3, align=16),  # out
+    )
+
+
+def compile_combine(params: CombineParams):
+    return cute.compile(CombineKernel(params), *fake_arguments(params))

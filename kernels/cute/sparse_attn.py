@@ -1,0 +1,362 @@
+"""CuTeDSL kernel: GQA attention over the selected 128-token blocks of vLLM's paged K/V cache.
+
+Computes reference.sparse_attention for one (query token, index head, head chunk, split) per CTA:
+the query heads that share an index head read the same blocks, so they form the rows of one
+16-row tile (rows past the group are zero and never stored). One warp runs the tile with tensor
+core MMAs (mma.sync m16n8k16, bf16 in, fp32 accumulate): K/V tiles of `tile_keys` keys are
+gathered page by page with cp.async into a two-stage shared-memory ring, S = Q K^T, causal mask,
+online softmax, O += P V.
+
+Decode has few tokens, so the selected blocks of a (token, index head) are split across CTAs:
+each split writes its normalised fp32 partial output and log-sum-exp, and combine.py merges them.
+With one split the kernel writes the final bf16 output (prefill, chunked prefill).
+
+Keys past the request's length are zero-filled in shared memory, so stale cache slots (NaN in the
+tests) never reach the MMAs.
+"""
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from kernels.cute import sparse_attention_supported
+from kernels.cute.fake import row_major
+
+ROWS = 16  # query heads per tile: the MMA's M
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SparseAttentionParams:
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    num_index_heads: int  # Hi
+    head_dim: int  # D
+    block_size: int = 128  # B: tokens per block == per page
+    tile_keys: int = 64  # keys per K/V shared-memory stage
+    split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
+
+    @property
+    def heads_per_index_head(self) -> int:
+        return self.num_q_heads // self.num_index_heads
+
+    @property
+    def head_chunks(self) -> int:
+        """16-row tiles per index head."""
+        return -(-self.heads_per_index_head // ROWS)
+
+    @property
+    def tiles_per_block(self) -> int:
+        return self.block_size // self.tile_keys
+
+    @property
+    def smem_cols(self) -> int:
+        """Columns of the swizzled shared-memory atom."""
+        return 64 if self.head_dim % 64 == 0 else 32
+
+
+class SparseAttentionKernel:
+    threads = 32
+
+    def __init__(self, params: SparseAttentionParams):
+        assert sparse_attention_supported(params.head_dim, params.block_size)
+        assert params.num_q_heads % params.num_index_heads == 0 and params.num_index_heads % params.num_kv_heads == 0
+        self.p = params
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,  # [T, Hq, D] bf16
+        kv_cache: cute.Tensor,  # [pages, 2, B, Hkv, D] bf16
+        block_table: cute.Tensor,  # [R, max_blocks] int32
+        seq_lens: cute.Tensor,  # [R] int32
+        token_request: cute.Tensor,  # [T] int32
+        token_position: cute.Tensor,  # [T] int32
+        selected: cute.Tensor,  # [T, Hi, K] int32 logical blocks, ascending, -1 padded
+        out: cute.Tensor,  # [S, T, Hq, D]: bf16 final output (S == 1), or fp32 partials (split)
+        out_lse: cute.Tensor,  # [S, T, Hq] fp32
+        scale: cutlass.Float32,
+        slots_per_split: cutlass.Int32,
+    ):
+        p = self.p
+        bf16 = cutlass.BFloat16
+        swizzle = cute.make_composed_layout(
+            cute.make_swizzle(3 if p.smem_cols == 64 else 2, 3, 3),
+            0,
+            cute.make_layout((8, p.smem_cols), stride=(p.smem_cols, 1)),
+        )
+        q_layout = cute.tile_to_shape(swizzle, (ROWS, p.head_dim), (0, 1))
+        kv_layout = cute.tile_to_shape(swizzle, (p.tile_keys, p.head_dim, 2), (0, 1, 2))
+
+        @cute.struct
+        class Storage:
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+
+        vec = 128 // bf16.width
+        lanes_per_row = p.smem_cols // vec
+        gmem_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16, num_bits_per_copy=128),
+            cute.make_layout((self.threads // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
+        mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(ROWS, 16, 16)
+        )
+        num_splits = cute.size(out, mode=[0])
+        num_tokens = cute.size(q, mode=[0])
+        self.kernel(
+            q, kv_cache, block_table, seq_lens, token_request, token_position, selected, out, out_lse,
+            scale * LOG2_E, scale, slots_per_split, q_layout, kv_layout, gmem_copy, mma, Storage,
+        ).launch(
+            grid=[num_tokens, num_splits, p.num_index_heads * p.head_chunks],
+            block=[self.threads, 1, 1],
+            smem=Storage.size_in_bytes(),
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        kv_cache: cute.Tensor,
+        block_table: cute.Tensor,
+        seq_lens: cute.Tensor,
+        token_request: cute.Tensor,
+        token_position: cute.Tensor,
+        selected: cute.Tensor,
+        out: cute.Tensor,
+        out_lse: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        scale: cutlass.Float32,
+        slots_per_split: cutlass.Int32,
+        q_layout: cute.ComposedLayout,
+        kv_layout: cute.ComposedLayout,
+        gmem_copy: cute.TiledCopy,
+        mma: cute.TiledMma,
+        Storage: cutlass.Constexpr,
+    ):
+        p = self.p
+        bf16 = cutlass.BFloat16
+        m = p.heads_per_index_head
+        tidx, _, _ = cute.arch.thread_idx()
+        token, split, head_tile = cute.arch.block_idx()
+        index_head = head_tile // p.head_chunks
+        head0 = index_head * m + (head_tile % p.head_chunks) * ROWS
+        rows = cutlass.min(ROWS, (index_head + 1) * m - head0)
+        kv_head = index_head * m // (p.num_q_heads // p.num_kv_heads)
+        request = token_request[token]
+        position = token_position[token]
+        seq_len = seq_lens[request]
+
+        # Slots of this split that hold a block, and the tiles they need: the last visible block
+        # (the query's own) is cut at the query position.
+        num_slots = cute.size(selected, mode=[2])
+        slot0 = split * slots_per_split
+        slot1 = cutlass.min(slot0 + slots_per_split, num_slots)
+        num_valid = cutlass.Int32(0)
+        for s in range(slot0, slot1):
+            if selected[token, index_head, s] >= 0:
+                num_valid += 1
+        num_tiles = num_valid * p.tiles_per_block
+        if num_valid > 0:
+            last_block = selected[token, index_head, slot0 + num_valid - 1]
+            if last_block == position // p.block_size:
+                num_tiles -= p.tiles_per_block - (position % p.block_size) // p.tile_keys - 1
+
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        sQ = storage.sQ.get_tensor(q_layout)
+        sK = storage.sK.get_tensor(kv_layout)
+        sV = storage.sV.get_tensor(kv_layout)
+        sVt = cute.composition(
+            sV, cute.make_layout((p.head_dim, p.tile_keys, 2), stride=(p.tile_keys, 1, p.tile_keys * p.head_dim))
+        )
+
+        thr_copy = gmem_copy.get_slice(tidx)
+        tile_coords = thr_copy.partition_S(cute.make_identity_tensor((p.tile_keys, p.head_dim)))
+
+        # Q rows of this tile; rows past the group are zero.
+        gQ = cute.local_tile(cute.domain_offset((head0, 0), q[token, None, None]), (ROWS, p.head_dim), (0, 0))
+        tQgQ = thr_copy.partition_S(gQ)
+        tQsQ = thr_copy.partition_D(sQ)
+        q_coords = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
+        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            if q_coords[0, i, 0][0] < rows:
+                cute.copy(gmem_copy, tQgQ[None, i, None], tQsQ[None, i, None])
+            else:
+                tQsQ[None, i, None].fill(0)
+
+        thr_mma = mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.head_dim)), cutlass.Float32)
+        acc_o.fill(0.0)
+        ldmatrix = lambda transpose: cute.make_copy_atom(  # noqa: E731
+            warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), bf16
+        )
+        copy_q = cute.make_tiled_copy_A(ldmatrix(False), mma).get_slice(tidx)
+        copy_k = cute.make_tiled_copy_B(ldmatrix(False), mma).get_slice(tidx)
+        copy_v = cute.make_tiled_copy_B(ldmatrix(True), mma).get_slice(tidx)
+        tSsQ = copy_q.partition_S(sQ)
+        tSrQ_view = copy_q.retile(tSrQ)
+        tSrK_view = copy_k.retile(tSrK)
+        tOrVt_view = copy_v.retile(tOrVt)
+        score_coords = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.tile_keys))))
+
+        acc_o_mn = self._mn_view(acc_o)
+        row_max = cute.make_rmem_tensor((cute.size(acc_o_mn, mode=[0]),), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((cute.size(acc_o_mn, mode=[0]),), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        tile_source = SimpleNamespace(
+            kv_cache=kv_cache, block_table=block_table, selected=selected, request=request, token=token,
+            index_head=index_head, kv_head=kv_head, slot0=slot0, seq_len=seq_len,
+        )
+        if num_tiles > 0:
+            self._load_tile(tile_source, 0, 0, sK, sV, thr_copy, gmem_copy, tile_coords)
+        cute.arch.cp_async_commit_group()
+        for tile in range(num_tiles):
+            stage = tile % 2
+            if tile + 1 < num_tiles:
+                self._load_tile(tile_source, tile + 1, 1 - stage, sK, sV, thr_copy, gmem_copy, tile_coords)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_warp()
+
+            # S = Q K^T over the head dim
+            tSsK = copy_k.partition_S(sK[None, None, stage])
+            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.tile_keys)), cutlass.Float32)
+            acc_s.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
+                cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
+                cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
+                cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+            # causal mask (only the query's own block has keys past it), online softmax
+            block = selected[token, index_head, slot0 + tile // p.tiles_per_block]
+            first_key = block * p.block_size + (tile % p.tiles_per_block) * p.tile_keys
+            acc_s_mn = self._mn_view(acc_s)
+            for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+                    if first_key + score_coords[r, c][1] > position:
+                        acc_s_mn[r, c] = -cutlass.Float32.inf
+                scores = acc_s_mn[r, None].load()
+                new_max = self._quad_reduce(scores.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0), cute.arch.fmax)
+                new_max = cute.arch.fmax(new_max, row_max[r])
+                safe_max = 0.0 if new_max == -cutlass.Float32.inf else new_max
+                probs = cute.math.exp2(scores * scale_log2 - safe_max * scale_log2, fastmath=True)
+                rescale = cute.math.exp2(row_max[r] * scale_log2 - safe_max * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * rescale + probs.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+                row_max[r] = new_max
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale
+                acc_s_mn[r, None] = probs
+
+            # O += P V over the tile's keys
+            r_p = cute.make_fragment_like(acc_s, bf16)
+            r_p.store(acc_s.load().to(bf16))
+            tOrP = cute.make_tensor(r_p.iterator, self._as_a_operand(r_p.layout))
+            tOsVt = copy_v.partition_S(sVt[None, None, stage])
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.copy(copy_v, tOsVt[None, None, k], tOrVt_view[None, None, k])
+                cute.gemm(mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
+            cute.arch.sync_warp()
+
+        # Epilogue: normalise, store rows of the group, and their log-sum-exp.
+        out_coords = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.head_dim))))
+        for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+            total = self._quad_reduce(row_sum[r], lambda a, b: a + b)
+            inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
+            row = out_coords[r, 0][0]
+            if row < rows:
+                for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                    value = acc_o_mn[r, c] * inv
+                    if cutlass.const_expr(p.split):
+                        out[split, token, head0 + row, out_coords[r, c][1]] = value
+                    else:
+                        out[split, token, head0 + row, out_coords[r, c][1]] = value.to(bf16)
+                if tidx % 4 == 0:
+                    lse = -cutlass.Float32.inf
+                    if total > 0.0:
+                        lse = row_max[r] * scale + cute.math.log(total, fastmath=True)
+                    out_lse[split, token, head0 + row] = lse
+
+    @cute.jit
+    def _load_tile(self, source: SimpleNamespace, tile, stage, sK, sV, thr_copy, gmem_copy, tile_coords):
+        """cp.async keys and values of tile `tile` of the split into stage `stage`; rows past the
+        request's length are zero-filled."""
+        p = self.p
+        block = source.selected[source.token, source.index_head, source.slot0 + tile // p.tiles_per_block]
+        sub = tile % p.tiles_per_block
+        page = source.block_table[source.request, block]
+        first_key = block * p.block_size + sub * p.tile_keys
+        for kv, smem in ((0, sK), (1, sV)):
+            g = cute.local_tile(source.kv_cache[page, kv, None, source.kv_head, None], (p.tile_keys, p.head_dim), (sub, 0))
+            src = thr_copy.partition_S(g)
+            dst = thr_copy.partition_D(smem[None, None, stage])
+            for i in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+                if first_key + tile_coords[0, i, 0][0] < source.seq_len:
+                    cute.copy(gmem_copy, src[None, i, None], dst[None, i, None])
+                else:
+                    dst[None, i, None].fill(0)
+
+    @staticmethod
+    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
+        """View an MMA accumulator fragment ((2, 2), M, N) as (rows, cols) of this thread."""
+        layout = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((layout.shape[0][1], layout.shape[1]), (layout.shape[0][0], layout.shape[2])),
+            stride=((layout.stride[0][1], layout.stride[1]), (layout.stride[0][0], layout.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    @staticmethod
+    def _as_a_operand(layout: cute.Layout) -> cute.Layout:
+        """Accumulator layout (4, M, N) as the A operand ((4, 2), M, N / 2) of the next MMA."""
+        d = cute.logical_divide(layout, (None, None, 2))
+        return cute.make_layout(
+            ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+            stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+        )
+
+    @staticmethod
+    def _quad_reduce(value, op):
+        """Reduce over the 4 lanes that hold one accumulator row."""
+        for offset in (2, 1):
+            value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset, mask=-1, mask_and_clamp=31))
+        return value
+
+
+def fake_arguments(params: SparseAttentionParams):
+    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+    bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
+    return (
+        row_major(bf16, 3, align=16),  # q
+        row_major(bf16, 5, align=16),  # kv_cache
+        row_major(i32, 2),  # block_table
+        row_major(i32, 1),  # seq_lens
+        row_major(i32, 1),  # token_request
+        row_major(i32, 1),  # token_position
+        row_major(i32, 3),  # selected
+        row_major(f32 if params.split else bf16, 4, align=16),  # out
+        row_major(f32, 3),  # out_lse
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+    )
+
+
+def compile_sparse_attention(params: SparseAttentionParams):
+    return cute.compile(SparseAttentionKernel(params), *fake_arguments(params))
+
+
+def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, target_ctas: int) -> tuple[int, int]:
+    """(splits, slots per split) so that tokens x heads x splits CTAs fill the GPU."""
+    ctas = num_tokens * params.num_index_heads * params.head_chunks
+    splits = max(1, min(topk, math.ceil(target_ctas / max(1, ctas))))
+    per_split = -(-topk // splits)
+    return -(-topk // per_split), per_split
