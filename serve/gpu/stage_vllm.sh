@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Stage vLLM 0.26.0 (its PyPI wheel: the CUDA 13 build, torch==2.11.0) and what the GPU machine lacks
+# of its requirements, for the GPU machine (no package index, at most 64 MiB a device call).
+#
+#   bash serve/gpu/stage_vllm.sh [--resolve] [--keep-fa2]
+#
+#   --resolve   re-run pip's resolution for vllm==0.26.0 (cp312, manylinux x86_64) and rewrite
+#               serve/gpu/vllm-gpu.lock; without it the pinned lock is staged as it is.
+#   --keep-fa2  keep FlashAttention-2 (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the vllm wheel;
+#               about 2 more parts. By default it is removed: on sm_90 vLLM runs FA3.
+#
+# Wheels are rewritten uncompressed, tarred, packed with xz (xz finds the long repeats in GPU
+# binaries that the wheels' deflate misses) and split into parts of 48 MiB in .devkit-vllm/ (ignored
+# through .git/info/exclude). Each part travels in its own device call (see serve/gpu/README.md);
+# serve/gpu/recv_vllm.sh collects them on the GPU machine, serve/gpu/install_vllm.sh installs them
+# into /tmp/site. Needs python3 with pip, xz, tar, split, sha256sum; downloads ~900 MB from PyPI.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(git -C "$here" rev-parse --show-toplevel)
+kit="$top/.devkit-vllm"
+lock="$here/vllm-gpu.lock"
+kinds=${KINDS_MD:-/work/.library/device/KINDS.md}
+resolve=0; keep_fa2=()
+for a in "$@"; do
+  case $a in
+    --resolve) resolve=1 ;;
+    --keep-fa2) keep_fa2=(--keep-fa2) ;;
+    *) echo "usage: bash serve/gpu/stage_vllm.sh [--resolve] [--keep-fa2]" >&2; exit 2 ;;
+  esac
+done
+step() { echo "[stage_vllm $(date +%T)] $*"; }
+start=$SECONDS
+# cp312 manylinux x86_64: pip matches manylinux_2_N exactly, so name every N the wheels use.
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --platform linux_x86_64
+      --platform manylinux1_x86_64 --platform manylinux2010_x86_64 --platform manylinux2014_x86_64)
+for n in $(seq 5 39); do plat+=(--platform "manylinux_2_${n}_x86_64"); done
+
+git_dir=$(git -C "$top" rev-parse --git-common-dir)
+mkdir -p "$git_dir/info"
+grep -qx '/.devkit-vllm/' "$git_dir/info/exclude" 2>/dev/null || echo '/.devkit-vllm/' >> "$git_dir/info/exclude"
+work=$(mktemp -d "${TMPDIR:-/tmp}/stage_vllm.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+if [ $resolve = 1 ]; then
+  step "resolving vllm==0.26.0 for cp312/manylinux x86_64 with pip (metadata only)"
+  python3 -m pip install -q --dry-run --ignore-installed --no-cache-dir "${plat[@]}" --target "$work/t" \
+    --report "$work/report.json" vllm==0.26.0 2> >(grep -v 'is ignored: it is neither' >&2)
+  python3 "$here/kit.py" resolve "$work/report.json" "$kinds" "$lock"
+fi
+
+step "downloading $(grep -c '^[^#]' "$lock") wheels pinned in serve/gpu/vllm-gpu.lock"
+grep -o '^[^# ]*' "$lock" > "$work/pins.txt"
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" -r "$work/pins.txt" \
+  2> >(grep -v 'is ignored: it is neither' >&2)
+n_dl=$(ls "$work/dl"/*.whl | wc -l)
+[ "$n_dl" = "$(wc -l < "$work/pins.txt")" ] || { echo "stage_vllm: got $n_dl wheels for $(wc -l < "$work/pins.txt") pins" >&2; exit 1; }
+# The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like torch 2.11.0+cu130 there.
+unzip -p "$work"/dl/vllm-0.26.0-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
+readelf -d "$work/c.so" | grep -q 'libcudart.so.13' \
+  || { echo "stage_vllm: vllm's _C_stable_libtorch does not link libcudart.so.13: not the CUDA 13 build" >&2; exit 1; }
+unzip -p "$work"/dl/vllm-0.26.0-*.whl '*.dist-info/METADATA' | grep -qx 'Requires-Dist: torch==2.11.0' \
+  || { echo "stage_vllm: the vllm wheel does not pin torch==2.11.0" >&2; exit 1; }
+rm "$work/c.so"
+step "downloaded $(du -sm "$work/dl" | cut -f1) MB; rewriting the wheels uncompressed"
+python3 "$here/kit.py" repack "$work/dl" "$work/kit" "${keep_fa2[@]}"
+rm -rf "$work/dl"
+step "packing $(du -sm "$work/kit" | cut -f1) MB of stored wheels with xz (a few minutes)"
+rm -rf "$kit" && mkdir -p "$kit"
+(cd "$work/kit" && tar cf - --sort=name *.whl) | xz -T0 -6 > "$work/kit.tar.xz"
+rm -rf "$work/kit"
+(cd "$kit" && split -b 48M -d -a 2 "$work/kit.tar.xz" part)
+n=$(ls "$kit"/part* | wc -l)
+echo "$(sha256sum < "$work/kit.tar.xz" | cut -d' ' -f1) $n" > "$kit/SHA256"
+cp "$here/recv_vllm.sh" "$here/install_vllm.sh" "$kit/"
+step "done in $((SECONDS - start)) s: $(du -sm "$work/kit.tar.xz" | cut -f1) MB in $n parts"
+ls -l "$kit"
+last=$(printf '%02d' $((n - 1)))
+cat <<MSG
+
+Device calls, back to back (the machine stays warm only ~30 s after a call; /tmp/devkit-vllm on it
+holds the parts while it stays warm). One call per part, $n in all:
+MSG
+for i in $(seq 0 $((n - 2))); do
+  p=$(printf '%02d' "$i")
+  echo "  call $((i + 1)): carry [\".devkit-vllm/part$p\", \".devkit-vllm/SHA256\"]  command: bash serve/gpu/recv_vllm.sh"
+done
+echo "  call $n: carry [\".devkit-vllm/part$last\", \".devkit-vllm/SHA256\"]  command:"
+echo "      bash serve/gpu/recv_vllm.sh && source serve/gpu/install_vllm.sh && python3 serve/gpu/check_vllm.py"
+echo "Later calls on the same warm machine: source serve/gpu/install_vllm.sh (skips the install) before using vllm."
