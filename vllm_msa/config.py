@@ -5,11 +5,17 @@
                    "dense_layers": [0, 1, 2]}
 
 Layers listed in dense_layers run plain dense attention; every other layer is an MSA layer.
+
+check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
+per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
+serve stops `vllm serve` before any engine process starts, with a message naming the fix.
 """
 
 from dataclasses import MISSING, dataclass, fields
 
 from kernels.shapes import MSAShape
+
+SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
 
 
 class MSAConfigError(ValueError):
@@ -76,3 +82,26 @@ class MSAModelConfig:
             )
         except ValueError as e:
             raise MSAConfigError(f"msa_config does not fit this model: {e}") from None
+
+
+def check_serving_config(vllm_config) -> None:
+    """Validate msa_config, --block-size and parallelism for FlashMSAForCausalLM; pin the block size."""
+    msa = MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config)
+    if msa.block_size not in SERVED_BLOCK_SIZES:
+        raise MSAConfigError(
+            f"msa_config.block_size {msa.block_size} is not served: FLASH_MSA keeps one MSA block per KV page "
+            f"and serves blocks of {list(SERVED_BLOCK_SIZES)} tokens"
+        )
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size and cache.block_size != msa.block_size:
+        raise MSAConfigError(
+            f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
+            f"{msa.block_size} (its msa_config.block_size), not {cache.block_size}"
+        )
+    cache.block_size = msa.block_size
+    cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise MSAConfigError(
+            "FlashMSAForCausalLM runs with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only"
+        )

@@ -1,5 +1,8 @@
 """Makes `--attention-backend FLASH_MSA` and the FlashMSAForCausalLM architecture known to vLLM.
 
+The architecture also gets vLLM's per-architecture config hook (MODELS_CONFIG_MAP, as vLLM's own
+sparse-attention models use): config.check_serving_config, run when vLLM builds its config.
+
 vLLM 0.26 parses the flag with `AttentionBackendEnum[name]`, and its enum has no FLASH_MSA member,
 so this module adds one. The member's value is a str subclass defined here: pickling the vLLM config
 into a spawned worker then imports this module (which adds the member again) before the enum value
@@ -37,11 +40,20 @@ def add_backend_name() -> AttentionBackendEnum:
 
 def register_models() -> None:
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    from vllm_msa.config import check_serving_config
+
+    class FlashMSAServingConfig(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            check_serving_config(vllm_config)
 
     known = set(ModelRegistry.get_supported_archs())
     for arch, target in ARCHITECTURES.items():
         if arch not in known:
             ModelRegistry.register_model(arch, target)
+        MODELS_CONFIG_MAP.setdefault(arch, FlashMSAServingConfig)
 
 
 add_backend_name()

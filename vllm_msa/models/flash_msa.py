@@ -4,7 +4,8 @@ Everything but attention is vLLM's Llama (embeddings, RMSNorm, SwiGLU MLP, LM he
 Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend.
 MSA layers add the proxy branch of ../shared/MSA_SPEC.md:
     index_q = RoPE(RMSNorm(index_q_proj(x)))  [T, Hi, Dp]     index_k = RoPE(RMSNorm(index_k_proj(x)))  [T, Hki, Dp]
-and attend through MSAAttention (FLASH_MSA). Checkpoint names follow HF Llama plus
+and attend through MSAAttention (FLASH_MSA). On a GPU, shapes the CuTeDSL kernels do not serve run
+the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama plus
 `self_attn.index_{q,k}_proj.weight` and `self_attn.index_{q,k}_norm.weight` on MSA layers.
 """
 
@@ -15,14 +16,13 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from kernels import ops
-from vllm_msa.config import MSAConfigError, MSAModelConfig
+from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
@@ -35,9 +35,8 @@ class FlashMSAAttention(nn.Module):
                  max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
                  bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type=None) -> None:
         super().__init__()
-        if get_tensor_model_parallel_world_size() != 1:
-            raise MSAConfigError("FlashMSAForCausalLM runs with --tensor-parallel-size 1 only")
-        shape = MSAModelConfig.from_hf_config(config).layer_shape(config)
+        msa = MSAModelConfig.from_hf_config(config)
+        shape = msa.layer_shape(config)
         self.shape = shape
         d, dp = shape.head_dim, shape.index_head_dim
         self.q_size, self.kv_size = shape.num_q_heads * d, shape.num_kv_heads * d
@@ -54,7 +53,9 @@ class FlashMSAAttention(nn.Module):
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
-        self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn")
+        last_msa_layer = max(i for i in range(config.num_hidden_layers) if msa.is_sparse(i))
+        self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn",
+                                 publishes_metrics=extract_layer_index(prefix) == last_msa_layer)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
@@ -83,13 +84,21 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
         sparse = [i for i in range(hf_config.num_hidden_layers) if msa.is_sparse(i)]
+        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)
         logger.info(
             "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
             "dense layers %s on the platform attention backend",
-            sparse, ops.describe(vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)),
-            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks,
-            list(msa.dense_layers),
+            sparse, ops.describe(device, dtype, shape), msa.topk_blocks, msa.block_size, msa.local_blocks,
+            msa.init_blocks, list(msa.dense_layers),
         )
+        probe = torch.empty(0, device=device, dtype=dtype)
+        kernels_serve = ops.uses_cute_proxy_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
+        if probe.is_cuda and not kernels_serve:
+            logger.warning(
+                "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
+                "%s on this GPU; the steps named PyTorch above run the PyTorch path (same results, slower)",
+                shape.head_dim, shape.index_head_dim, shape.block_size, dtype,
+            )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Proxy weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.

@@ -1,0 +1,52 @@
+"""Configurations FLASH_MSA cannot serve stop `bash serve/demo.sh` at start-up, before any engine process
+starts, with an error naming the fix (the check runs while vLLM builds its config)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serve.build_demo_model import DEFAULT_CONFIG
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+MSA = DEFAULT_CONFIG["msa_config"]
+
+
+def _hf_overrides(**msa_fields) -> list[str]:
+    return ["--hf-overrides", json.dumps({"msa_config": MSA | msa_fields})]
+
+
+BAD_CONFIGS = {
+    "block size other than the MSA block": (
+        ["--block-size", "64"],
+        "serve this model with --block-size 128 (its msa_config.block_size), not 64",
+    ),
+    "index heads not a multiple of the KV heads": (
+        _hf_overrides(num_index_heads=3),
+        "msa_config does not fit this model: invalid MSA shape: num_index_heads 3 must be a multiple of num_kv_heads 2",
+    ),
+    "MSA block size the backend cannot serve": (
+        ["--block-size", "64", *_hf_overrides(block_size=64)],
+        "msa_config.block_size 64 is not served",
+    ),
+    "FlashMSAForCausalLM without msa_config": (
+        ["--hf-overrides", json.dumps({"msa_config": None})],
+        "this checkpoint has no 'msa_config' in config.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_unservable_config_stops_the_server_with_a_clear_error(case):
+    flags, message = BAD_CONFIGS[case]
+    out = subprocess.run(
+        ["bash", "serve/demo.sh", "--port", "1", *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert message in log, log[-3000:]
+    assert "EngineCore" not in log  # refused before any engine process started
