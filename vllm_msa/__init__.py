@@ -2,17 +2,21 @@
 
 vLLM calls register() (entry point `vllm.general_plugins`) in each of its processes.
 
-    registration  FLASH_MSA backend name, model architectures
-    config        a checkpoint's msa_config
+    registration  FLASH_MSA backend name, model architectures, their config check
+    config        a checkpoint's msa_config; what FLASH_MSA can serve
     backend       FLASH_MSA backend, metadata builder, impl (proxy scores + top-k + sparse attention)
     proxy_cache   paged proxy-key side cache
     layer         MSAAttention: one MSA layer's caches and custom op
+    metrics       Prometheus metrics of the sparse layers, worker -> API server /metrics
+    selection_log debug option: log the selected blocks of a marked request
     models/       FlashMSAForCausalLM
 """
 
 
 def register() -> None:
+    from vllm_msa import metrics
     from vllm_msa.registration import add_backend_name, register_models
 
     add_backend_name()
     register_models()
+    metrics.install()

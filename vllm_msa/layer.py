@@ -2,7 +2,9 @@
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
 layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
-(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it.
+(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it. Each step's
+selection feeds the sparse-layer metrics (metrics.py; the model's last MSA layer publishes them)
+and, for requests marked for it, the selection log (selection_log.py).
 """
 
 import torch
@@ -16,17 +18,23 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm_msa import metrics, selection_log
 from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
 from vllm_msa.config import MSAConfigError
 from vllm_msa.proxy_cache import ProxyKeyCache
 
 
 class MSAAttention(nn.Module, AttentionLayerBase):
-    def __init__(self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str) -> None:
+    def __init__(
+        self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str, publishes_metrics: bool
+    ) -> None:
+        """publishes_metrics: this is the model's last MSA layer, which publishes the step's metrics."""
         super().__init__()
         vllm_config = get_current_vllm_config()
         self.layer_name = prefix
         self.shape = shape
+        self.publishes_metrics = publishes_metrics
+        self.model_name = vllm_config.model_config.served_model_name
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
         self.impl = FlashMSAImpl(
@@ -79,7 +87,8 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             output.zero_()
             return
         s = self.shape
-        self.impl.forward_msa(
+        metadata = attn_metadata[self.layer_name]
+        selected = self.impl.forward_msa(
             q.view(-1, s.num_q_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim),
@@ -87,10 +96,17 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
             self.kv_cache,
             self.proxy_cache.pages(),
-            attn_metadata[self.layer_name],
+            metadata,
             attn_metadata[self.proxy_cache.prefix],
             output.view(-1, s.num_q_heads, s.head_dim),
         )
+        batch = metadata.batch
+        stats = metrics.step_stats(selected.device, self.model_name)
+        stats.record(selected, batch.positions, s.block_size)
+        if self.publishes_metrics:
+            stats.publish()
+        if selection_log.labels_by_row:
+            selection_log.log_selection(self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens)
 
 
 def _msa_attention(

@@ -1,0 +1,63 @@
+"""Debug option: log the KV blocks FLASH_MSA selects for a chosen request.
+
+Start the server with `--logits-processors vllm_msa.selection_log:SelectionLog` and send a request
+with `"vllm_xargs": {"msa_log_selected_blocks": "LABEL"}`. Every engine step that computes tokens of
+that request then logs, per MSA layer, the blocks each index head selected for the request's last
+query token of the step (the last prompt token of a prefill chunk, or the decoded token):
+
+    MSA selection LABEL model.layers.1.self_attn.attn position=2050 blocks=[[0, 7, 12, 16], ...]
+
+SelectionLog is a vLLM logits processor only because vLLM tells logits processors which request
+sits in which row of the persistent batch, the row order of the step's attention metadata; it
+never changes logits. Logging costs a host copy of the marked rows' selections, and nothing while no
+marked request is running.
+"""
+
+import torch
+
+from vllm import SamplingParams
+from vllm.logger import init_logger
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+logger = init_logger("vllm.msa.selection")  # under "vllm" so vLLM's log handlers print it
+REQUEST_KEY = "msa_log_selected_blocks"
+
+# Batch row -> label of the marked requests running in this worker process.
+labels_by_row: dict[int, str] = {}
+
+
+def _label(params: SamplingParams) -> str | None:
+    label = (params.extra_args or {}).get(REQUEST_KEY)
+    return None if label is None else str(label)
+
+
+class SelectionLog(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        label = (sampling_params.extra_args or {}).get(REQUEST_KEY)
+        if label is not None and not (isinstance(label, str) and label):
+            raise ValueError(f"vllm_xargs.{REQUEST_KEY} must be a non-empty string label, got {label!r}")
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        labels_by_row.clear()
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(labels_by_row, batch_update, lambda params, _prompt, _output: _label(params))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+def log_selection(layer_name: str, selected: torch.Tensor, query_start_loc: list[int], seq_lens: torch.Tensor) -> None:
+    """Log the marked rows' last-token selections; selected [T, Hi, K], -1 padded."""
+    for row, label in sorted(labels_by_row.items()):
+        if row + 1 >= len(query_start_loc) or query_start_loc[row + 1] == query_start_loc[row]:
+            continue  # not in this step
+        blocks = selected[query_start_loc[row + 1] - 1].tolist()
+        per_head = [sorted(b for b in head if b >= 0) for head in blocks]
+        position = int(seq_lens[row]) - 1
+        logger.info("MSA selection %s %s position=%d blocks=%s", label, layer_name, position, per_head)
