@@ -4,12 +4,24 @@ This module owns the *request mix and the per-request correctness checks* of
 the load test; ``run_load.py`` owns running it (loopback-only host check,
 health wait, headless locust subprocess, CSV summary, exit code).
 
-What one simulated user does, in a closed loop with no think time:
+What one simulated user does, in a closed loop with no think time
+(``VllmOpenAIUser``, run_load's ``steady`` profile):
 
 * POST /v1/completions       ``stream: true``   (weight 4)
 * POST /v1/chat/completions  ``stream: true``   (weight 4)
 * POST /v1/completions       non-streaming      (weight 1)
 * POST /v1/chat/completions  non-streaming      (weight 1)
+
+``SoakUser`` (the ``soak`` profile) sends the same four requests with a mix of
+short (``MSA_PROMPT_TOKENS``) and long (``MSA_LONG_PROMPT_TOKENS``, one in
+``MSA_LONG_EVERY`` requests) prompts, plus:
+
+* POST /v1/completions [cancelled]  a stream the client closes after
+  ``CANCEL_AFTER_CHUNKS`` content chunks (weight 1); it succeeds if those
+  chunks arrived
+* POST /v1/completions [bad: ...]   an intended bad request (prompt longer than
+  the context, malformed JSON, top_p out of range; weight 1); it succeeds if the
+  server answers 400 with an error message, fails otherwise
 
 Every request uses ``temperature: 0`` and ``ignore_eos: true`` so the output
 is exactly ``max_tokens`` long.  Streaming requests also ask for
@@ -46,6 +58,8 @@ Environment:
                           the number of words that gives ~MSA_PROMPT_TOKENS;
                           0 or if /tokenize fails: assume ~1 token per word.
 * ``MSA_CHECK_LENGTH``    1 (default): fail if usage.completion_tokens != max_tokens.
+* ``MSA_LONG_PROMPT_TOKENS`` soak profile: long prompt length in tokens (default 3000).
+* ``MSA_LONG_EVERY``      soak profile: one request in this many gets a long prompt (default 4).
 """
 
 from __future__ import annotations
@@ -98,6 +112,10 @@ TEMPERATURE = _env_float("MSA_TEMPERATURE", 0.0)
 REQUEST_TIMEOUT = _env_float("MSA_REQUEST_TIMEOUT", 300.0)
 CALIBRATE = _env_flag("MSA_CALIBRATE", True)
 CHECK_LENGTH = _env_flag("MSA_CHECK_LENGTH", True)
+LONG_PROMPT_TOKENS = max(1, _env_int("MSA_LONG_PROMPT_TOKENS", 3000))
+LONG_EVERY = max(1, _env_int("MSA_LONG_EVERY", 4))
+CANCEL_AFTER_CHUNKS = 2
+TOO_LONG_PROMPT_IDS = 100_000  # token ids, longer than any context here
 
 
 class _Shared:
@@ -197,7 +215,7 @@ class VllmOpenAIUser(HttpUser):
             if not _Shared.resolved:
                 time.sleep(1.0)
                 return None
-        prompt = make_prompt(_Shared.n_words, self.rng)
+        prompt = make_prompt(self._prompt_words(), self.rng)
         body: dict[str, Any] = {
             "model": _Shared.model,
             "max_tokens": MAX_TOKENS,
@@ -212,6 +230,9 @@ class VllmOpenAIUser(HttpUser):
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
+
+    def _prompt_words(self) -> int:
+        return _Shared.n_words
 
     # -- tasks -------------------------------------------------------------
 
@@ -349,6 +370,75 @@ class VllmOpenAIUser(HttpUser):
                 resp.failure(f"usage.completion_tokens={got} != max_tokens={MAX_TOKENS}")
                 return
             resp.success()
+
+
+class SoakUser(VllmOpenAIUser):
+    """The steady mix with short and long prompts, client cancellations and intended bad requests."""
+
+    def _prompt_words(self) -> int:
+        if self.rng.randrange(LONG_EVERY):
+            return _Shared.n_words
+        return max(1, round(_Shared.n_words * LONG_PROMPT_TOKENS / PROMPT_TOKENS))
+
+    @task(1)
+    def cancelled_stream(self) -> None:
+        body = self._body(chat=False, stream=True)
+        if body is None:
+            return
+        body["max_tokens"] = 4 * MAX_TOKENS
+        t_start = time.perf_counter()
+        with self.client.post(
+            "/v1/completions", json=body, name="/v1/completions [cancelled]", stream=True,
+            catch_response=True, timeout=REQUEST_TIMEOUT,
+        ) as resp:  # fmt: skip
+            if resp.status_code != 200:
+                resp.failure(_http_error(resp))
+                return
+            n_content = 0
+            try:
+                for raw in resp.iter_lines(chunk_size=None):
+                    line = raw.strip()
+                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                        if _has_content(json.loads(line[5:]), chat=False):
+                            n_content += 1
+                    if n_content >= CANCEL_AFTER_CHUNKS:
+                        break
+            except (requests.RequestException, OSError, ValueError) as e:
+                resp.failure(f"stream read failed before cancelling: {type(e).__name__}: {str(e)[:200]}")
+                return
+            finally:
+                resp.close()  # the cancellation: vLLM must abort the request
+            resp.request_meta["response_time"] = (time.perf_counter() - t_start) * 1000.0
+            if n_content < CANCEL_AFTER_CHUNKS:
+                resp.failure(f"stream ended after {n_content} content chunks, before the client cancelled")
+            else:
+                resp.success()
+
+    @task(1)
+    def bad_request(self) -> None:
+        if not _Shared.resolved:
+            return
+        kind = self.rng.choice(("prompt too long", "malformed JSON", "top_p out of range"))
+        headers = {"Content-Type": "application/json"}
+        base = {"model": _Shared.model, "max_tokens": MAX_TOKENS}
+        if kind == "prompt too long":
+            data = json.dumps(base | {"prompt": [5] * TOO_LONG_PROMPT_IDS})
+        elif kind == "malformed JSON":
+            data = json.dumps(base | {"prompt": "hi"})[:-1]
+        else:
+            data = json.dumps(base | {"prompt": "hi", "top_p": 2.0})
+        with self.client.post(
+            "/v1/completions", data=data, headers=headers, name=f"/v1/completions [bad: {kind}]",
+            catch_response=True, timeout=REQUEST_TIMEOUT,
+        ) as resp:  # fmt: skip
+            try:
+                message = (resp.json().get("error") or {}).get("message")
+            except (ValueError, AttributeError):
+                message = None
+            if resp.status_code == 400 and message:
+                resp.success()
+            else:
+                resp.failure(f"intended bad request ({kind}) got HTTP {resp.status_code}: {(resp.text or '')[:200]}")
 
 
 def _has_content(chunk: dict, chat: bool) -> bool:

@@ -2,16 +2,23 @@
 
 This module owns the run: it refuses non-loopback hosts, waits for
 GET /health, runs ``locustfile.py`` in a ``python -m locust --headless``
-subprocess (streaming its output), parses locust's CSV stats into a summary
-dict, prints a compact table and decides pass/fail.
+subprocess (streaming its output), optionally samples the server's memory
+(RSS of the server process and its children) during the run, parses locust's
+CSV stats into a summary dict, prints a compact table and decides pass/fail.
+
+Profiles: ``steady`` (locustfile.VllmOpenAIUser) and ``soak``
+(locustfile.SoakUser: short and long prompts, cancellations, intended bad
+requests).
 
 Usage::
 
     python loadtests/run_load.py --host http://127.0.0.1:8000 --users 4 --run-time 30
+    python loadtests/run_load.py --profile soak --run-time 90 --server-pid "$(pgrep -of 'vllm serve')"
 
 Exit status: 0 if every request succeeded and at least one generation request
-succeeded; 1 if any request failed, locust reported errors, or nothing
-succeeded; 2 for usage errors (non-loopback host, server not healthy).
+succeeded (and, with a server pid, its RSS grew by at most the stated bound);
+1 if any request failed, locust reported errors, nothing succeeded or memory
+grew too much; 2 for usage errors (non-loopback host, server not healthy).
 
 In-process use (e.g. from pytest)::
 
@@ -42,6 +49,10 @@ LOCUSTFILE = os.path.join(HERE, "locustfile.py")
 DEFAULT_HOST = "http://127.0.0.1:8000"
 METRIC_NAMES = ("ttft_ms", "itl_ms")
 STOP_TIMEOUT_S = 30
+PROFILES = {"steady": "VllmOpenAIUser", "soak": "SoakUser"}
+RSS_INTERVAL_S = 1.0
+RSS_WINDOW_S = 10.0  # RSS start/end: medians over a window this long
+DEFAULT_MAX_RSS_GROWTH_MIB = 256.0
 
 
 class NonLoopbackHostError(ValueError):
@@ -115,6 +126,74 @@ def wait_for_health(host: str, timeout_s: float = 60.0, interval_s: float = 2.0)
         time.sleep(min(interval_s, max(0.1, timeout_s - waited)))
 
 
+class RssSampler:
+    """Samples the RSS of a process and all its children (MiB) in a thread, once per second."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._t0 = time.monotonic()
+
+    def _rss_mib(self) -> float:
+        import psutil
+
+        total = 0
+        for proc in [self.root, *self.root.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total / 2**20
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - self._t0, self._rss_mib()))
+            self._stop.wait(RSS_INTERVAL_S)
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, warmup_s: float, max_growth_mib: float) -> dict[str, Any]:
+        """RSS after warm-up (median of the first window after warmup_s) vs at the end (last window)."""
+        if not self.samples:
+            return {"samples": 0, "problems": ["no RSS samples"]}
+        end_t = self.samples[-1][0]
+        start = [m for t, m in self.samples if warmup_s <= t < warmup_s + RSS_WINDOW_S]
+        end = [m for t, m in self.samples if t > end_t - RSS_WINDOW_S]
+        start_mib = _median(start or [self.samples[0][1]])
+        end_mib = _median(end)
+        growth = end_mib - start_mib
+        problems = []
+        if growth > max_growth_mib:
+            problems.append(f"server RSS grew by {growth:.0f} MiB (bound {max_growth_mib:.0f} MiB)")
+        return {
+            "samples": len(self.samples),
+            "first_mib": round(self.samples[0][1], 1),
+            "start_mib": round(start_mib, 1),
+            "end_mib": round(end_mib, 1),
+            "peak_mib": round(max(m for _, m in self.samples), 1),
+            "growth_mib": round(growth, 1),
+            "max_growth_mib": max_growth_mib,
+            "warmup_s": warmup_s,
+            "problems": problems,
+        }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def _num(v: str) -> float | None:
     try:
         return float(v)
@@ -171,7 +250,8 @@ def parse_locust_csv(csv_prefix: str) -> dict[str, Any]:
 def summarize(parsed: dict[str, Any], locust_rc: int | None) -> dict[str, Any]:
     rows = parsed["rows"]
     http_rows = [r for r in rows if r["type"] != "METRIC"]
-    gen_rows = [r for r in http_rows if r["type"] == "POST"]
+    bad_rows = [r for r in http_rows if "[bad:" in r["name"]]
+    gen_rows = [r for r in http_rows if r["type"] == "POST" and r not in bad_rows]
     total_requests = sum(r["requests"] for r in http_rows)
     total_failures = sum(r["failures"] for r in rows)
     successful = sum(r["requests"] - r["failures"] for r in gen_rows)
@@ -193,6 +273,7 @@ def summarize(parsed: dict[str, Any], locust_rc: int | None) -> dict[str, Any]:
         "total_requests": total_requests,
         "total_failures": total_failures,
         "successful_requests": successful,
+        "intended_bad_requests": sum(r["requests"] for r in bad_rows),
         "requests_per_s": sum(r["rps"] for r in http_rows),
         "generation_requests_per_s": sum(r["rps"] for r in gen_rows),
         "metrics": metrics,
@@ -220,8 +301,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(
         f"HTTP requests: {summary['total_requests']}  failures: {summary['total_failures']}  "
         f"successful generations: {summary['successful_requests']}  "
+        f"intended bad requests: {summary['intended_bad_requests']}  "
         f"total req/s: {summary['requests_per_s']:.2f}"
     )
+    rss = summary.get("rss")
+    if rss and rss.get("samples"):
+        lines.append(
+            f"server RSS (MiB): first {rss['first_mib']:.0f}, after {rss['warmup_s']:.0f} s warm-up "
+            f"{rss['start_mib']:.0f}, end {rss['end_mib']:.0f}, peak {rss['peak_mib']:.0f}; "
+            f"growth {rss['growth_mib']:.0f} (bound {rss['max_growth_mib']:.0f})"
+        )
     for fl in sorted(summary["failures"], key=lambda f: -f["occurrences"])[:10]:
         lines.append(f"  FAIL x{fl['occurrences']} {fl['method']} {fl['name']}: {fl['error'][:200]}")
     for ex in summary["exceptions"][:5]:
@@ -233,24 +322,33 @@ def format_summary(summary: dict[str, Any]) -> str:
 def run(
     host: str = DEFAULT_HOST,
     users: int = 4,
+    profile: str = "steady",
     run_time: int = 30,
     spawn_rate: float | None = None,
     prompt_tokens: int = 256,
     max_tokens: int = 32,
+    long_prompt_tokens: int = 3000,
     model: str | None = None,
     report_dir: str | None = None,
     csv_prefix: str | None = None,
     health_timeout: float = 60.0,
     stream_output: bool = True,
+    server_pid: int | None = None,
+    max_rss_growth_mib: float = DEFAULT_MAX_RSS_GROWTH_MIB,
 ) -> dict[str, Any]:
     """Run the load test and return the parsed summary (see ``summarize``).
 
+    server_pid: sample the RSS of that process and its children during the run; the run fails if it
+    grows by more than max_rss_growth_mib from the end of the warm-up (a quarter of the run, at most
+    15 s) to the end.
     Raises NonLoopbackHostError / ServerNotHealthyError before starting locust.
     ``summary["ok"]`` is the pass/fail verdict; ``summary["problems"]`` says why.
     """
     host = check_loopback(host)
     if users < 1 or run_time < 1:
         raise ValueError("users and run_time must be >= 1")
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     spawn_rate = spawn_rate if spawn_rate is not None else float(users)
     wait_for_health(host, health_timeout)
 
@@ -276,10 +374,12 @@ def run(
         "--html", html,
         "--exit-code-on-error", "1",
         "--stop-timeout", str(STOP_TIMEOUT_S),
+        PROFILES[profile],
     ]  # fmt: skip
     env = dict(os.environ)
     env["MSA_PROMPT_TOKENS"] = str(prompt_tokens)
     env["MSA_MAX_TOKENS"] = str(max_tokens)
+    env["MSA_LONG_PROMPT_TOKENS"] = str(long_prompt_tokens)
     if model:
         env["MSA_MODEL"] = model
     else:
@@ -291,6 +391,7 @@ def run(
 
     print("[run_load] " + " ".join(cmd), flush=True)
     deadline = run_time + STOP_TIMEOUT_S + 90  # spawn + stop + report writing
+    sampler = RssSampler(server_pid).start() if server_pid is not None else None
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -325,6 +426,8 @@ def run(
         raise
     finally:
         watchdog.cancel()
+        if sampler is not None:
+            sampler.stop()
     if timed_out.is_set():
         print(f"[run_load] locust exceeded {deadline}s and was killed", flush=True)
     wall = time.monotonic() - t0
@@ -338,8 +441,12 @@ def run(
     if timed_out.is_set():
         summary["problems"].append("locust timed out")
         summary["ok"] = False
+    if sampler is not None:
+        summary["rss"] = sampler.summary(warmup_s=min(15.0, run_time / 4), max_growth_mib=max_rss_growth_mib)
+        summary["problems"] += summary["rss"]["problems"]
+        summary["ok"] = summary["ok"] and not summary["rss"]["problems"]
     summary.update(
-        host=host, users=users, run_time=run_time, wall_s=round(wall, 1),
+        host=host, users=users, profile=profile, run_time=run_time, wall_s=round(wall, 1),
         csv_prefix=csv_prefix, html_report=html, report_dir=report_dir,
     )  # fmt: skip
     return summary
@@ -348,11 +455,19 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default=DEFAULT_HOST, help=f"server base URL, loopback only (default {DEFAULT_HOST})")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="steady",
+                   help="steady: the four request kinds; soak: plus long prompts, cancellations, bad requests")
     p.add_argument("--users", type=int, default=4, help="concurrent simulated users (default 4)")
     p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
     p.add_argument("--run-time", type=int, default=30, help="test duration in seconds (default 30)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length in tokens (default 256)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--long-prompt-tokens", type=int, default=3000,
+                   help="soak profile: long prompt length in tokens (default 3000)")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="sample this process tree's RSS during the run and bound its growth")
+    p.add_argument("--max-rss-growth-mib", type=float, default=DEFAULT_MAX_RSS_GROWTH_MIB,
+                   help=f"allowed RSS growth after warm-up, MiB (default {DEFAULT_MAX_RSS_GROWTH_MIB:.0f})")
     p.add_argument("--model", default=None, help="model name (default: first id from GET /v1/models)")
     p.add_argument("--report-dir", default=None, help="directory for CSV stats + report.html (default: a new temp dir)")
     p.add_argument("--csv-prefix", default=None, help="locust --csv prefix (default: REPORT_DIR/locust)")
@@ -360,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         summary = run(
-            host=a.host, users=a.users, run_time=a.run_time, spawn_rate=a.spawn_rate,
-            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, model=a.model,
+            host=a.host, users=a.users, profile=a.profile, run_time=a.run_time, spawn_rate=a.spawn_rate,
+            prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens, long_prompt_tokens=a.long_prompt_tokens,
+            model=a.model, server_pid=a.server_pid, max_rss_growth_mib=a.max_rss_growth_mib,
             report_dir=a.report_dir, csv_prefix=a.csv_prefix, health_timeout=a.health_timeout,
         )  # fmt: skip
     except (NonLoopbackHostError, ServerNotHealthyError, ValueError) as e:
