@@ -1,6 +1,8 @@
 """The demo server started exactly as the README says (`bash serve/demo.sh`), queried over the OpenAI API.
 
-One server for the module, on a free loopback port, with the selection-log debug option on. It must
+One server for the module, on a free loopback port, with the selection-log debug option on, in
+float32 (in bf16 a prefill of 92 tokens and one of 1500 round differently, so a prefix-cache hit can
+flip a near-tied greedy token; the engine tests run float32 too). It must
 answer good requests, turn bad ones into clear 4xx errors and keep serving, abort the requests of
 clients that went away, export the sparse layers' metrics on its real /metrics, log the blocks it
 selects for a marked request (the same on a prefix-cache hit as on a miss), and pass a bounded soak
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-msa"
 START_TIMEOUT_S = 600
-SELECTION_LOG_FLAG = ["--logits-processors", "vllm_msa.selection_log:SelectionLog"]
+SERVER_FLAGS = ["--dtype", "float32", "--logits-processors", "vllm_msa.selection_log:SelectionLog"]
 MSA = DEFAULT_CONFIG["msa_config"]
 NUM_MSA_LAYERS = DEFAULT_CONFIG["num_hidden_layers"] - len(MSA["dense_layers"])
 SOAK_SECONDS = 75
@@ -66,7 +68,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        ["bash", "serve/demo.sh", "--port", str(port), *SELECTION_LOG_FLAG],
+        ["bash", "serve/demo.sh", "--port", str(port), *SERVER_FLAGS],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     started = time.monotonic()
