@@ -14,12 +14,30 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 PROXY_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32)]  # (Hi, Hki, Dp)
 
 
-@pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
-def test_proxy_score_kernel_compiles_for_sm90a(hi, hki, dp, monkeypatch):
+@pytest.fixture
+def sm90a(monkeypatch, tmp_path):
+    """Compile for Hopper even without a GPU, into a fresh kernel cache."""
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
-    from kernels.cute.proxy_scores import ProxyScoreParams, compile_proxy_scores
+    monkeypatch.setenv("VLLM_MSA_KERNEL_CACHE", str(tmp_path))
+    return tmp_path
 
-    assert compile_proxy_scores(ProxyScoreParams(hi, hki, dp)) is not None
+
+def compiles_and_caches(module, params, cache_dir):
+    """Compile through kernels.cute.compiled_kernel, then load the exported object file back."""
+    from kernels import cute as cute_kernels
+
+    compile_kernel = cute_kernels.compiled_kernel.__wrapped__  # past the in-process cache
+    assert compile_kernel(module, params) is not None
+    [cached] = cache_dir.glob(f"{module}_*.o")
+    assert compile_kernel(module, params) is not None  # this one loads the file
+    return cached
+
+
+@pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
+def test_proxy_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
+    from kernels.cute.proxy_scores import ProxyScoreParams
+
+    compiles_and_caches("proxy_scores", ProxyScoreParams(hi, hki, dp), sm90a)
 
 
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
@@ -29,19 +47,26 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize("split", [False, True])
-def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, monkeypatch):
-    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
-    from kernels.cute.sparse_attn import SparseAttentionParams, compile_sparse_attention
+def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
+    from kernels.cute.sparse_attn import SparseAttentionParams
 
-    assert compile_sparse_attention(SparseAttentionParams(hq, hkv, hi, d, split=split)) is not None
+    compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split), sm90a)
 
 
 @pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
-def test_combine_kernel_compiles_for_sm90a(hq, d, monkeypatch):
-    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
-    from kernels.cute.combine import CombineParams, compile_combine
+def test_combine_kernel_compiles_for_sm90a(hq, d, sm90a):
+    from kernels.cute.combine import CombineParams
 
-    assert compile_combine(CombineParams(hq, d)) is not None
+    compiles_and_caches("combine", CombineParams(hq, d), sm90a)
+
+
+def test_kernel_cache_replaces_an_unreadable_file(sm90a):
+    from kernels.cute.combine import CombineParams
+
+    cached = compiles_and_caches("combine", CombineParams(8, 32), sm90a)
+    cached.write_bytes(b"not an object file")
+    cached = compiles_and_caches("combine", CombineParams(8, 32), sm90a)
+    assert cached.stat().st_size > 1000
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

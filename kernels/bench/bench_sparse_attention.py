@@ -8,7 +8,8 @@ device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA o
 cost does not depend on which blocks are picked, only on how many).
 
 decode:  one query token per sequence; sparse attention bytes = K/V of the selected blocks;
-         MSA layer = proxy scores + top-k + sparse attention (kernels.ops.msa_attention).
+         MSA layer = proxy scores + top-k + sparse attention (kernels.ops.msa_attention). Timed inside
+         CUDA graphs (what vLLM replays for decode); the eager layer time shows the host overhead.
 prefill: one sequence of N new tokens; sparse attention FLOPs = 4 * tokens * Hq * D * keys read.
 """
 
@@ -37,6 +38,22 @@ def timed(fn, iters=10):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters * 1e-3
+
+
+def graph_timed(fn, iters=10):
+    """GPU time per call with host overhead removed: `iters` calls captured in one CUDA graph, as vLLM
+    runs decode."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return timed(graph.replay, iters=3) / iters
 
 
 def ceilings():
@@ -87,24 +104,25 @@ def paged_problem(batch, context, q_len):
 
 
 def decode(bw):
-    print("\n## decode (one token per sequence)\n")
-    print("| context | batch | sparse attn us | GB/s | % copy bw | MSA layer us | dense SDPA us | layer vs dense |")
+    print("\n## decode (one token per sequence; CUDA-graph times, eager in brackets)\n")
+    print("| context | batch | sparse attn us | GB/s | % copy bw | MSA layer us | dense SDPA us | MSA layer vs dense |")
     print("|---|---|---|---|---|---|---|---|")
     for context in (8192, 32768, 131072):
         for batch in (1, 8, 32):
             pb, q, index_q, kv, proxy, selected = paged_problem(batch, context, 1)
-            t_sparse = timed(lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088))
-            t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, proxy, pb, SHAPE, 0.088))
+            sparse = lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088)  # noqa: E731
+            layer = lambda: ops.msa_attention(q, index_q, kv, proxy, pb, SHAPE, 0.088)  # noqa: E731
+            t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
+            t_layer_eager = timed(layer)
             nbytes = batch * SHAPE.num_index_heads * min(16, context // 128) * 128 * SHAPE.head_dim * 2 * 2
             dq = q.view(batch, 1, 64, 128).transpose(1, 2)
             dk = torch.randn(batch, SHAPE.num_kv_heads, context, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-            dv = torch.randn_like(dk)
-            name, dense = dense_attention(dq, dk, dv)
-            t_dense = timed(dense)
-            del dk, dv
+            name, dense = dense_attention(dq, dk, torch.randn_like(dk))
+            t_dense = graph_timed(dense)
+            del dk
             print(f"| {context} | {batch} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
-                  f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} | {t_dense * 1e6:.1f} ({name}) | "
-                  f"{t_dense / t_layer:.1f}x |")
+                  f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
+                  f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |")
 
 
 def prefill(flops):

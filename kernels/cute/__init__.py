@@ -4,17 +4,26 @@ proxy_scores      causal max-pooled proxy block scores (decode/SIMT path)
 sparse_attention  GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
 combine           merges the split-K partials
 
-Kernels compile once per parameter set and process (functools.cache; CuTeDSL also keeps compiled
-modules on disk) and are called with the torch tensors converted through dlpack. This module
-imports no CuTeDSL until a kernel is needed.
+Kernels compile once per parameter set (compiled_kernel: in memory per process, exported object
+files on disk across processes) and are called with the torch tensors converted through dlpack on
+torch's current stream. This module imports no CuTeDSL until a kernel is needed.
 """
 
 import dataclasses
 import functools
+import hashlib
+import importlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
 from kernels.shapes import MSAShape, PagedBatch
+
+logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show compile times
 
 CTAS_PER_SM = 4  # resident sparse-attention CTAs per SM the split-K heuristic aims for
 
@@ -30,24 +39,52 @@ def sparse_attention_supported(head_dim: int, block_size: int) -> bool:
 
 
 @functools.cache
-def _proxy_score_kernel(num_index_heads: int, num_index_key_heads: int, index_head_dim: int, block_size: int):
-    from kernels.cute.proxy_scores import ProxyScoreParams, compile_proxy_scores
+def compiled_kernel(module: str, params):
+    """The kernel of kernels/cute/<module>.py for `params`, compiled once per process and kept on disk.
 
-    return compile_proxy_scores(ProxyScoreParams(num_index_heads, num_index_key_heads, index_head_dim, block_size))
+    The disk cache (VLLM_MSA_KERNEL_CACHE, default ~/.cache/vllm_msa/kernels) holds CuTeDSL's exported
+    object file per (kernel source, params, CuTeDSL version, GPU arch); a later process loads it in
+    milliseconds instead of compiling for seconds. Each compile or load is logged with its time.
+    """
+    from cutlass import __version__ as cutlass_version
+    from cutlass.cute.runtime import load_module
+
+    source = importlib.import_module(f"kernels.cute.{module}")
+    digest = hashlib.sha256()
+    for part in (Path(source.__file__).read_bytes(), Path(__file__).with_name("fake.py").read_bytes(),
+                 repr(params).encode(), cutlass_version.encode(), _target_arch().encode()):
+        digest.update(part)
+    name = f"{module}_{digest.hexdigest()[:20]}"
+    cached = _cache_dir() / f"{name}.o"
+    start = time.perf_counter()
+    if cached.exists():
+        try:
+            kernel = getattr(load_module(str(cached)), name)
+            logger.info("loaded %s %s from %s in %.3f s", module, params, cached, time.perf_counter() - start)
+            return kernel
+        except Exception as error:  # a truncated or foreign file: compile again and replace it
+            logger.warning("ignoring unreadable kernel cache file %s: %s", cached, error)
+    kernel = source.compile_kernel(params)
+    logger.info("compiled %s %s in %.2f s", module, params, time.perf_counter() - start)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            kernel.export_to_c(tmp, name, function_prefix=name)
+            os.replace(Path(tmp) / f"{name}.o", cached)
+    except OSError as error:
+        logger.warning("kernel cache %s is not writable (%s): kernels compile in every process", cached.parent, error)
+    return kernel
 
 
-@functools.cache
-def _sparse_attention_kernel(params):
-    from kernels.cute.sparse_attn import compile_sparse_attention
-
-    return compile_sparse_attention(params)
+def _cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_MSA_KERNEL_CACHE", "~/.cache/vllm_msa/kernels")).expanduser()
 
 
-@functools.cache
-def _combine_kernel(num_q_heads: int, head_dim: int):
-    from kernels.cute.combine import CombineParams, compile_combine
-
-    return compile_combine(CombineParams(num_q_heads, head_dim))
+def _target_arch() -> str:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}a"
+    return os.environ.get("CUTE_DSL_ARCH", "")
 
 
 @functools.cache
@@ -69,20 +106,29 @@ def _cute(t: torch.Tensor, rows16: bool = False):
     )
 
 
+def _stream():
+    """torch's current stream, so the kernels run in order with torch ops and inside CUDA graph capture."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
 def proxy_block_scores(
     index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
     """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on a CUDA device."""
-    kernel = _proxy_score_kernel(
+    from kernels.cute.proxy_scores import ProxyScoreParams
+
+    kernel = compiled_kernel("proxy_scores", ProxyScoreParams(
         shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
-    )
+    ))
     positions = batch.positions.to(torch.int32)
     out = torch.empty(
         (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
         dtype=torch.float32, device=index_q.device,
     )
     kernel(_cute(index_q.contiguous(), rows16=True), _cute(proxy_cache, rows16=True),
-           *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.token_requests, positions, out)))
+           *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.token_requests, positions, out)), _stream())
     return out
 
 
@@ -99,6 +145,7 @@ def sparse_attention(
 
     kv_cache must be contiguous; q and out may be strided views.
     """
+    from kernels.cute.combine import CombineParams
     from kernels.cute.sparse_attn import SparseAttentionParams, num_splits
 
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
@@ -114,13 +161,13 @@ def sparse_attention(
     )
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=q.device)
     if splits == 1:
-        kernel = _sparse_attention_kernel(params)
-        kernel(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse), scale, per_split)
+        kernel = compiled_kernel("sparse_attn", params)
+        kernel(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse), scale, per_split, _stream())
     else:
-        kernel = _sparse_attention_kernel(dataclasses.replace(params, split=True))
+        kernel = compiled_kernel("sparse_attn", dataclasses.replace(params, split=True))
         partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=q.device)
-        kernel(*inputs, _cute(partial, rows16=True), _cute(lse), scale, per_split)
-        _combine_kernel(hq, d)(_cute(partial, rows16=True), _cute(lse), _cute(result, rows16=True))
+        kernel(*inputs, _cute(partial, rows16=True), _cute(lse), scale, per_split, _stream())
+        compiled_kernel("combine", CombineParams(hq, d))(_cute(partial, rows16=True), _cute(lse), _cute(result, rows16=True), _stream())
     if out is not None and result is not out:
         out.copy_(result)
         return out

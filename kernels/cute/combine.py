@@ -7,8 +7,10 @@ per output element of the head dim.
 
 from dataclasses import dataclass
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute.fake import row_major
 
@@ -29,10 +31,11 @@ class CombineKernel:
         partial_out: cute.Tensor,  # [S, T, Hq, D] fp32
         partial_lse: cute.Tensor,  # [S, T, Hq] fp32
         out: cute.Tensor,  # [T, Hq, D] bf16
+        stream: cuda.CUstream,
     ):
         num_tokens = cute.size(out, mode=[0])
         self.kernel(partial_out, partial_lse, out).launch(
-            grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1]
+            grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -59,8 +62,9 @@ def fake_arguments(params: CombineParams):
         row_major(cutlass.Float32, 4, align=16),  # partial_out
         row_major(cutlass.Float32, 3),  # partial_lse
         row_major(cutlass.BFloat16, 3, align=16),  # out
+        make_fake_stream(),
     )
 
 
-def compile_combine(params: CombineParams):
+def compile_kernel(params: CombineParams):
     return cute.compile(CombineKernel(params), *fake_arguments(params))

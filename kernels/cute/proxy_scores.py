@@ -13,8 +13,10 @@ is read once per query token.
 
 from dataclasses import dataclass
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import proxy_scores_supported
 from kernels.cute.fake import row_major
@@ -59,11 +61,12 @@ class ProxyScoreKernel:
         token_request: cute.Tensor,  # [T] int32
         token_position: cute.Tensor,  # [T] int32
         out: cute.Tensor,  # [T, Hi, max_blocks] fp32
+        stream: cuda.CUstream,
     ):
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
         self.kernel(index_q, proxy_cache, block_table, token_request, token_position, out).launch(
-            grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1]
+            grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -139,8 +142,9 @@ def fake_arguments(params: ProxyScoreParams):
         row_major(i32, 1),  # token_request
         row_major(i32, 1),  # token_position
         row_major(cutlass.Float32, 3),  # out
+        make_fake_stream(),
     )
 
 
-def compile_proxy_scores(params: ProxyScoreParams):
+def compile_kernel(params: ProxyScoreParams):
     return cute.compile(ProxyScoreKernel(params), *fake_arguments(params))

@@ -19,9 +19,11 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import sparse_attention_supported
 from kernels.cute.fake import row_major
@@ -81,6 +83,7 @@ class SparseAttentionKernel:
         out_lse: cute.Tensor,  # [S, T, Hq] fp32
         scale: cutlass.Float32,
         slots_per_split: cutlass.Int32,
+        stream: cuda.CUstream,
     ):
         p = self.p
         bf16 = cutlass.BFloat16
@@ -117,6 +120,7 @@ class SparseAttentionKernel:
             grid=[num_tokens, num_splits, p.num_index_heads * p.head_chunks],
             block=[self.threads, 1, 1],
             smem=Storage.size_in_bytes(),
+            stream=stream,
         )
 
     @cute.kernel
@@ -347,10 +351,11 @@ def fake_arguments(params: SparseAttentionParams):
         row_major(f32, 3),  # out_lse
         cutlass.Float32(1.0),
         cutlass.Int32(1),
+        make_fake_stream(),
     )
 
 
-def compile_sparse_attention(params: SparseAttentionParams):
+def compile_kernel(params: SparseAttentionParams):
     return cute.compile(SparseAttentionKernel(params), *fake_arguments(params))
 
 
