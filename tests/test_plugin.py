@@ -87,3 +87,16 @@ def test_demo_checkpoint_is_sparse_at_2k_tokens(demo_model):
     msa = config["msa_config"]
     assert config["architectures"] == ["FlashMSAForCausalLM"]
     assert msa["topk_blocks"] * msa["block_size"] < 2048  # a 2K prompt spans more blocks than k
+
+
+def test_msa_op_is_where_piecewise_cuda_graphs_split_like_vllm_attention_ops():
+    """The MSA op reads host-side batch layout each step: it must run between captured graph pieces."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    import vllm_msa
+
+    vllm_msa.register()
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    config.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert "vllm::unified_attention_with_output" in config.splitting_ops
+    assert "vllm_msa::msa_attention" in config.splitting_ops

@@ -15,8 +15,9 @@ vLLM calls register() (entry point `vllm.general_plugins`) in each of its proces
 
 def register() -> None:
     from vllm_msa import metrics
-    from vllm_msa.registration import add_backend_name, register_models
+    from vllm_msa.registration import add_backend_name, register_models, split_graphs_at_msa_op
 
     add_backend_name()
+    split_graphs_at_msa_op()
     register_models()
     metrics.install()

@@ -1,5 +1,6 @@
 """Makes `--attention-backend FLASH_MSA` and the FlashMSAForCausalLM architecture known to vLLM.
 
+The MSA op joins vLLM's attention ops, where piecewise CUDA graphs are split (split_graphs_at_msa_op).
 The architecture also gets vLLM's per-architecture config hook (MODELS_CONFIG_MAP, as vLLM's own
 sparse-attention models use): config.check_serving_config, run when vLLM builds its config.
 
@@ -15,6 +16,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 BACKEND_NAME = "FLASH_MSA"
 BACKEND_CLASS = "vllm_msa.backend.FlashMSABackend"
 ARCHITECTURES = {"FlashMSAForCausalLM": "vllm_msa.models.flash_msa:FlashMSAForCausalLM"}
+MSA_OP = "vllm_msa::msa_attention"  # vllm_msa/layer.py
 
 
 class _BackendPath(str):
@@ -54,6 +56,17 @@ def register_models() -> None:
         if arch not in known:
             ModelRegistry.register_model(arch, target)
         MODELS_CONFIG_MAP.setdefault(arch, FlashMSAServingConfig)
+
+
+def split_graphs_at_msa_op() -> None:
+    """Make the MSA op one of the ops vLLM's piecewise compilation splits the model at, as it does for
+    its own attention ops: the op then runs eagerly between the captured CUDA graph pieces, with this
+    step's metadata (host-side batch layout, metrics, selection log), instead of being replayed from
+    a graph captured with another batch."""
+    from vllm.config.compilation import CompilationConfig
+
+    if MSA_OP not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(MSA_OP)
 
 
 add_backend_name()
