@@ -27,6 +27,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import sparse_attention_supported
 from kernels.cute.fake import row_major
+from kernels.cute.warp_mma import as_a_operand, quad_reduce, row_copy, rows_cols, swizzled_rows
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -55,11 +56,6 @@ class SparseAttentionParams:
     def tiles_per_block(self) -> int:
         return self.block_size // self.tile_keys
 
-    @property
-    def smem_cols(self) -> int:
-        """Columns of the swizzled shared-memory atom."""
-        return 64 if self.head_dim % 64 == 0 else 32
-
 
 class SparseAttentionKernel:
     threads = 32
@@ -87,13 +83,8 @@ class SparseAttentionKernel:
     ):
         p = self.p
         bf16 = cutlass.BFloat16
-        swizzle = cute.make_composed_layout(
-            cute.make_swizzle(3 if p.smem_cols == 64 else 2, 3, 3),
-            0,
-            cute.make_layout((8, p.smem_cols), stride=(p.smem_cols, 1)),
-        )
-        q_layout = cute.tile_to_shape(swizzle, (ROWS, p.head_dim), (0, 1))
-        kv_layout = cute.tile_to_shape(swizzle, (p.tile_keys, p.head_dim, 2), (0, 1, 2))
+        q_layout = swizzled_rows(p.head_dim, ROWS)
+        kv_layout = swizzled_rows(p.head_dim, p.tile_keys, 2)
 
         @cute.struct
         class Storage:
@@ -101,13 +92,7 @@ class SparseAttentionKernel:
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
 
-        vec = 128 // bf16.width
-        lanes_per_row = p.smem_cols // vec
-        gmem_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), bf16, num_bits_per_copy=128),
-            cute.make_layout((self.threads // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
-            cute.make_layout((1, vec)),
-        )
+        gmem_copy = row_copy(bf16, self.threads, p.head_dim, cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
         mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(ROWS, 16, 16)
         )
@@ -210,9 +195,9 @@ class SparseAttentionKernel:
         tSrQ_view = copy_q.retile(tSrQ)
         tSrK_view = copy_k.retile(tSrK)
         tOrVt_view = copy_v.retile(tOrVt)
-        score_coords = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.tile_keys))))
+        score_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.tile_keys))))
 
-        acc_o_mn = self._mn_view(acc_o)
+        acc_o_mn = rows_cols(acc_o)
         row_max = cute.make_rmem_tensor((cute.size(acc_o_mn, mode=[0]),), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((cute.size(acc_o_mn, mode=[0]),), cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
@@ -245,13 +230,13 @@ class SparseAttentionKernel:
             # causal mask (only the query's own block has keys past it), online softmax
             block = selected[token, index_head, slot0 + tile // p.tiles_per_block]
             first_key = block * p.block_size + (tile % p.tiles_per_block) * p.tile_keys
-            acc_s_mn = self._mn_view(acc_s)
+            acc_s_mn = rows_cols(acc_s)
             for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
                     if first_key + score_coords[r, c][1] > position:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
                 scores = acc_s_mn[r, None].load()
-                new_max = self._quad_reduce(scores.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0), cute.arch.fmax)
+                new_max = quad_reduce(scores.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0), cute.arch.fmax)
                 new_max = cute.arch.fmax(new_max, row_max[r])
                 safe_max = 0.0 if new_max == -cutlass.Float32.inf else new_max
                 probs = cute.math.exp2(scores * scale_log2 - safe_max * scale_log2, fastmath=True)
@@ -264,7 +249,7 @@ class SparseAttentionKernel:
             # O += P V over the tile's keys
             r_p = cute.make_fragment_like(acc_s, bf16)
             r_p.store(acc_s.load().to(bf16))
-            tOrP = cute.make_tensor(r_p.iterator, self._as_a_operand(r_p.layout))
+            tOrP = cute.make_tensor(r_p.iterator, as_a_operand(r_p.layout))
             tOsVt = copy_v.partition_S(sVt[None, None, stage])
             for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                 cute.copy(copy_v, tOsVt[None, None, k], tOrVt_view[None, None, k])
@@ -272,9 +257,9 @@ class SparseAttentionKernel:
             cute.arch.sync_warp()
 
         # Epilogue: normalise, store rows of the group, and their log-sum-exp.
-        out_coords = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.head_dim))))
+        out_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.head_dim))))
         for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
-            total = self._quad_reduce(row_sum[r], lambda a, b: a + b)
+            total = quad_reduce(row_sum[r], lambda a, b: a + b)
             inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
             row = out_coords[r, 0][0]
             if row < rows:
@@ -308,32 +293,6 @@ class SparseAttentionKernel:
                     cute.copy(gmem_copy, src[None, i, None], dst[None, i, None])
                 else:
                     dst[None, i, None].fill(0)
-
-    @staticmethod
-    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-        """View an MMA accumulator fragment ((2, 2), M, N) as (rows, cols) of this thread."""
-        layout = cute.make_layout(acc.layout.shape)
-        mn = cute.make_layout(
-            ((layout.shape[0][1], layout.shape[1]), (layout.shape[0][0], layout.shape[2])),
-            stride=((layout.stride[0][1], layout.stride[1]), (layout.stride[0][0], layout.stride[2])),
-        )
-        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
-    @staticmethod
-    def _as_a_operand(layout: cute.Layout) -> cute.Layout:
-        """Accumulator layout (4, M, N) as the A operand ((4, 2), M, N / 2) of the next MMA."""
-        d = cute.logical_divide(layout, (None, None, 2))
-        return cute.make_layout(
-            ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
-            stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
-        )
-
-    @staticmethod
-    def _quad_reduce(value, op):
-        """Reduce over the 4 lanes that hold one accumulator row."""
-        for offset in (2, 1):
-            value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset, mask=-1, mask_and_clamp=31))
-        return value
 
 
 def fake_arguments(params: SparseAttentionParams):

@@ -1,0 +1,50 @@
+"""Register-fragment helpers for warp-level tensor-core MMAs (mma.sync m16n8k16) in CuTeDSL kernels."""
+
+import cutlass.cute as cute
+
+
+def rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an accumulator fragment ((2, 2), M, N) as this thread's (rows, cols)."""
+    layout = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(
+        ((layout.shape[0][1], layout.shape[1]), (layout.shape[0][0], layout.shape[2])),
+        stride=((layout.stride[0][1], layout.stride[1]), (layout.stride[0][0], layout.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def as_a_operand(layout: cute.Layout) -> cute.Layout:
+    """Accumulator layout (4, M, N) as the A operand ((4, 2), M, N / 2) of the next MMA."""
+    d = cute.logical_divide(layout, (None, None, 2))
+    return cute.make_layout(
+        ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+        stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+    )
+
+
+def quad_reduce(value, op):
+    """Reduce over the 4 lanes that hold one accumulator row."""
+    for offset in (2, 1):
+        value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset, mask=-1, mask_and_clamp=31))
+    return value
+
+
+def swizzled_rows(dim: int, rows: int, *stages: int):
+    """Shared-memory layout for `rows` x `dim` bf16 tiles (times `stages`) that ldmatrix reads without
+    bank conflicts: a 3-bit (64-column) or 2-bit (32-column) swizzle."""
+    cols = 64 if dim % 64 == 0 else 32
+    atom = cute.make_composed_layout(
+        cute.make_swizzle(3 if cols == 64 else 2, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1))
+    )
+    return cute.tile_to_shape(atom, (rows, dim, *stages), tuple(range(2 + len(stages))))
+
+
+def row_copy(dtype, threads: int, dim: int, copy_op):
+    """Tiled copy of 16-byte chunks: threads cover whole 64- (or 32-) column row segments."""
+    vec = 128 // dtype.width
+    lanes_per_row = (64 if dim % 64 == 0 else 32) // vec
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(copy_op, dtype, num_bits_per_copy=128),
+        cute.make_layout((threads // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
+        cute.make_layout((1, vec)),
+    )
