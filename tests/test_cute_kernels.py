@@ -34,10 +34,12 @@ def compiles_and_caches(module, params, cache_dir):
 
 
 @pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
-def test_proxy_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
+def test_proxy_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
     from kernels.cute.proxy_scores import ProxyScoreParams
+    from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
 
     compiles_and_caches("proxy_scores", ProxyScoreParams(hi, hki, dp), sm90a)
+    compiles_and_caches("proxy_scores_prefill", PrefillProxyScoreParams(hi, hki, dp), sm90a)
 
 
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
@@ -71,11 +73,14 @@ def test_kernel_cache_replaces_an_unreadable_file(sm90a):
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+# Batches with a request of >= 64 query tokens run the prefill (tensor-core) kernel, others the decode one.
 CASES = {
     "decode_ragged": ([1, 1, 1, 1], [1, 129, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
     "prefill_chunk": ([300, 1], [300, 1000]),
     "chunked_prefill": ([200], [5000]),
+    "prefill_tile_edges": ([64, 65, 63, 1], [64, 1000, 63, 7]),
+    "prefill_long_context": ([130], [70001]),
 }
 
 

@@ -10,10 +10,10 @@ cost does not depend on which blocks are picked, only on how many).
 decode:  one query token per sequence; sparse attention bytes = K/V of the selected blocks;
          MSA layer = proxy scores + top-k + sparse attention (kernels.ops.msa_attention). Timed inside
          CUDA graphs (what vLLM replays for decode); the eager layer time shows the host overhead.
-prefill: one sequence of N new tokens; sparse attention FLOPs = 4 * tokens * Hq * D * keys read.
+prefill: one sequence of N new tokens; sparse attention FLOPs = 4 * tokens * Hq * D * keys read;
+         proxy FLOPs = 2 * Hi * Dp * tokens x keys of the visible blocks; MSA layer as for decode.
 """
 
-import math
 import time
 
 import torch
@@ -127,21 +127,25 @@ def decode(bw):
 
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
-    print("| tokens | sparse attn ms | TFLOP/s | % matmul | proxy scores ms | dense SDPA ms | sparse attn vs dense |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | sparse attn ms | TFLOP/s | % matmul | proxy scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
+          "| sparse attn vs dense | MSA layer vs dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for context in (8192, 32768, 131072):
         pb, q, index_q, kv, proxy, selected = paged_problem(1, context, context)
         t_sparse = timed(lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088), iters=3)
         keys = (selected >= 0).sum().item() * 128 * SHAPE.heads_per_index_head  # upper bound: whole blocks
         fl = 4 * keys * SHAPE.head_dim
-        t_proxy = timed(lambda: cute_kernels.proxy_block_scores(index_q, proxy, pb, SHAPE), iters=1) \
-            if context <= 32768 else math.nan
+        t_proxy = timed(lambda: cute_kernels.proxy_block_scores(index_q, proxy, pb, SHAPE), iters=3)
+        blocks = context // 128
+        proxy_fl = 2 * SHAPE.num_index_heads * SHAPE.index_head_dim * context * 128 * (blocks + 1) / 2  # visible blocks
+        t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, proxy, pb, SHAPE, 0.088), iters=2)
         dq = q.view(1, context, 64, 128).transpose(1, 2)
         dk = torch.randn(1, SHAPE.num_kv_heads, context, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         name, dense = dense_attention(dq, dk, torch.randn_like(dk))
         t_dense = timed(dense, iters=2)
         print(f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
-              f"{t_proxy * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | {t_dense / t_sparse:.1f}x |")
+              f"{t_proxy * 1e3:.2f} | {proxy_fl / t_proxy / 1e12:.0f} | {t_layer * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | "
+              f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |")
 
 
 def main():

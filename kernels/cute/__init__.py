@@ -1,6 +1,7 @@
 """CuTeDSL kernels for Hopper (sm_90a), behind the same functions as kernels.reference.
 
-proxy_scores      causal max-pooled proxy block scores (decode/SIMT path)
+proxy_scores          causal max-pooled proxy block scores, decode (SIMT, every token on its own)
+proxy_scores_prefill  the same for prefill chunks (tensor cores, 64-token tiles of a request)
 sparse_attention  GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
 combine           merges the split-K partials
 
@@ -31,6 +32,14 @@ CTAS_PER_SM = 4  # resident sparse-attention CTAs per SM the split-K heuristic a
 def proxy_scores_supported(index_head_dim: int, block_size: int) -> bool:
     """Shapes the proxy score kernel serves: 128-token blocks, 16-byte row chunks within a warp."""
     return block_size == 128 and index_head_dim % 8 == 0 and 32 % (index_head_dim // 8) == 0
+
+
+def prefill_proxy_scores_supported(index_head_dim: int, block_size: int) -> bool:
+    """Shapes the prefill proxy score kernel serves: 128-token blocks, index head dim a multiple of 32."""
+    return block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
+
+
+PREFILL_TILE_TOKENS = 64  # query tokens per CTA of the prefill proxy kernel (16 per warp)
 
 
 def sparse_attention_supported(head_dim: int, block_size: int) -> bool:
@@ -116,19 +125,37 @@ def _stream():
 def proxy_block_scores(
     index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on a CUDA device."""
-    from kernels.cute.proxy_scores import ProxyScoreParams
+    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on a CUDA device.
 
-    kernel = compiled_kernel("proxy_scores", ProxyScoreParams(
-        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
-    ))
-    positions = batch.positions.to(torch.int32)
-    out = torch.empty(
-        (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
-        dtype=torch.float32, device=index_q.device,
+    Batches with a request of PREFILL_TILE_TOKENS or more query tokens run the tensor-core prefill
+    kernel (all of their tokens, in 64-token tiles); others the SIMT decode kernel.
+    """
+    from kernels.cute.proxy_scores import ProxyScoreParams
+    from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
+
+    starts = batch.query_start_loc_cpu
+    prefill = prefill_proxy_scores_supported(shape.index_head_dim, shape.block_size) and any(
+        end - start >= PREFILL_TILE_TOKENS for start, end in zip(starts, starts[1:])
     )
-    kernel(_cute(index_q.contiguous(), rows16=True), _cute(proxy_cache, rows16=True),
-           *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.token_requests, positions, out)), _stream())
+    size = (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1])
+    index_shape = (shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
+    queries = (_cute(index_q.contiguous(), rows16=True), _cute(proxy_cache, rows16=True),
+               _cute(batch.block_table.to(torch.int32)))
+    positions = _cute(batch.positions.to(torch.int32))
+    if prefill:
+        out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
+        tiles = torch.tensor(
+            [(r, t, min(t + PREFILL_TILE_TOKENS, end))
+             for r, (start, end) in enumerate(zip(starts, starts[1:]))
+             for t in range(start, end, PREFILL_TILE_TOKENS)],
+            dtype=torch.int32,
+        ).to(index_q.device)
+        kernel = compiled_kernel("proxy_scores_prefill", PrefillProxyScoreParams(*index_shape))
+        kernel(*queries, positions, _cute(tiles), _cute(out), _stream())
+    else:
+        out = torch.empty(size, dtype=torch.float32, device=index_q.device)
+        kernel = compiled_kernel("proxy_scores", ProxyScoreParams(*index_shape))
+        kernel(*queries, _cute(batch.token_requests), positions, _cute(out), _stream())
     return out
 
 
