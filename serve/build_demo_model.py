@@ -6,7 +6,7 @@ Python standard library, `config.json` / `generation_config.json` for
 Nothing is downloaded. An existing complete model with the same config is
 reused, so calling this at every server start is cheap.
 
-    python serve/build_demo_model.py OUT_DIR [--seed N] [--overwrite]
+    python serve/build_demo_model.py OUT_DIR [--preset {default,m3-attention}] [--seed N] [--overwrite]
 """
 
 from __future__ import annotations
@@ -65,6 +65,24 @@ DEFAULT_CONFIG = {
         "num_index_key_heads": 1,
         "index_head_dim": 32,
         "dense_layers": [0],
+    },
+}
+
+
+# Named variants of DEFAULT_CONFIG (--preset). "m3-attention": MiniMax-M3's attention shapes (Hq 64,
+# Hkv 4, D 128, Hi 4, Hki 1, Dp 128, top-16 blocks) in a 4-layer model with a 136K context, so GPU
+# measurements mean something at M3's per-layer cost (MLPs and vocabulary stay small).
+PRESETS = {
+    "default": {},
+    "m3-attention": {
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 139264,
+        "rope_theta": 1000000.0,
+        "msa_config": {"topk_blocks": 16, "index_head_dim": 128},
     },
 }
 
@@ -241,11 +259,13 @@ def _write_json(path: Path, obj: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory (created or reused)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                        help="model shapes (default: the small CPU demo; m3-attention: MiniMax-M3's attention shapes)")
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
-        build_demo_model(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+        build_demo_model(args.out_dir, seed=args.seed, overwrite=args.overwrite, **PRESETS[args.preset])
     except OSError as exc:
         sys.exit(f"error: {exc}")
