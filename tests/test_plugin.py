@@ -100,3 +100,15 @@ def test_msa_op_is_where_piecewise_cuda_graphs_split_like_vllm_attention_ops():
     config.set_splitting_ops_for_v1(all2all_backend="naive")
     assert "vllm::unified_attention_with_output" in config.splitting_ops
     assert "vllm_msa::msa_attention" in config.splitting_ops
+
+
+def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
+    from types import SimpleNamespace
+
+    from kernels.shapes import MSAShape
+    from serve.build_demo_model import PRESETS, make_config
+
+    hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))
+    shape = MSAModelConfig.from_hf_config(hf).layer_shape(hf)
+    assert shape == MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+                             index_head_dim=128, topk_blocks=16)
