@@ -1,10 +1,10 @@
 """Helpers for serve/gpu/stage_vllm.sh (run here, on the staging machine; any Python >= 3.9 with pip).
 
-    python3 serve/gpu/kit.py resolve REPORT.json KINDS.md LOCK   # pip's resolution -> what the GPU lacks
+    python3 serve/gpu/kit.py resolve REPORT.json KINDS.md LOCK ROOT...  # pip's resolution -> what the GPU lacks
     python3 serve/gpu/kit.py repack SRC_DIR DST_DIR [--keep-fa2]  # stored (uncompressed) wheels, vLLM trimmed
 
 `resolve` reads a `pip install --dry-run --report` of vllm==0.26.0 for cp312/manylinux x86_64 and keeps
-the packages reachable from vllm through Requires-Dist (markers evaluated for Linux x86_64 CPython
+the packages reachable from the ROOTs (vllm, locust) through Requires-Dist (markers evaluated for Linux x86_64 CPython
 3.12, extras followed) without passing through one the GPU machine already has (KINDS.md's list) or
 one we never carry (SKIP, DROP). One version each: pip's resolver already chose it.
 
@@ -64,13 +64,13 @@ def present_on_gpu(kinds_md):
     return {cn(n.strip()) for n in names.split(",") if n.strip()}
 
 
-def resolve(report, kinds_md, lock):
+def resolve(report, kinds_md, lock, *roots):
     items = {cn(i["metadata"]["name"]): i for i in json.load(open(report))["install"]}
     present = present_on_gpu(kinds_md)
     if len(present) < 100:
         sys.exit(f"kit.py: only {len(present)} names read from {kinds_md}: its format changed?")
     need, dropped, seen = {}, {}, set()
-    stack = [("vllm", frozenset(), "")]
+    stack = [(cn(Requirement(root).name), frozenset(), "") for root in roots]
     while stack:
         name, extras, by = stack.pop()
         if (name, extras, by) in seen:

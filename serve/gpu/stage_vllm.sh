@@ -41,11 +41,13 @@ grep -qx '/.devkit-vllm/' "$git_dir/info/exclude" 2>/dev/null || echo '/.devkit-
 work=$(mktemp -d "${TMPDIR:-/tmp}/stage_vllm.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
+# vLLM, and locust for the load tests on the GPU server (the version of requirements/test.txt).
+roots=(vllm==0.26.0 locust==2.47.0)
 if [ $resolve = 1 ]; then
-  step "resolving vllm==0.26.0 for cp312/manylinux x86_64 with pip (metadata only)"
+  step "resolving ${roots[*]} for cp312/manylinux x86_64 with pip (metadata only)"
   python3 -m pip install -q --dry-run --ignore-installed --no-cache-dir "${plat[@]}" --target "$work/t" \
-    --report "$work/report.json" vllm==0.26.0 2> >(grep -v 'is ignored: it is neither' >&2)
-  python3 "$here/kit.py" resolve "$work/report.json" "$kinds" "$lock"
+    --report "$work/report.json" "${roots[@]}" 2> >(grep -v 'is ignored: it is neither' >&2)
+  python3 "$here/kit.py" resolve "$work/report.json" "$kinds" "$lock" "${roots[@]}"
 fi
 
 step "downloading $(grep -c '^[^#]' "$lock") wheels pinned in serve/gpu/vllm-gpu.lock"
