@@ -12,32 +12,14 @@ import torch
 
 from kernels import cute as cute_kernels
 from kernels import reference
+from kernels.bench.timing import ceilings, timed
 from kernels.shapes import MSAShape, PagedBatch
-
-
-def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3
-
-
-def copy_bandwidth():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / timed(lambda: y.copy_(x))
 
 
 def main():
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)
-    bw = copy_bandwidth()
+    bw, _ = ceilings()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write)")
     print(f"{'context':>8} {'batch':>5} {'cute us':>9} {'torch us':>9} {'speedup':>8} {'GB/s':>8} {'% copy bw':>9}")
     t0 = time.time()
@@ -52,7 +34,7 @@ def main():
                 seq_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
                 block_table=pages,
             )
-            t_cute = timed(lambda: cute_kernels.proxy_block_scores(q, proxy, pb, shape))
+            t_cute = timed(lambda: cute_kernels.proxy_block_scores(q, proxy, pb, shape), iters=20)
             t_ref = timed(lambda: reference.proxy_block_scores(q, proxy, pb, shape), iters=3)
             nbytes = batch * context * 128 * 2
             print(f"{context:>8} {batch:>5} {t_cute * 1e6:>9.1f} {t_ref * 1e6:>9.1f} {t_ref / t_cute:>8.1f} "

@@ -22,48 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import cute as cute_kernels
 from kernels import ops, reference
+from kernels.bench.timing import ceilings, graph_timed, timed
 from kernels.shapes import MSAShape, PagedBatch
 
 SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                  index_head_dim=128, topk_blocks=16)
-
-
-def timed(fn, iters=10):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3
-
-
-def graph_timed(fn, iters=10):
-    """GPU time per call with host overhead removed: `iters` calls captured in one CUDA graph, as vLLM
-    runs decode."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    return timed(graph.replay, iters=3) / iters
-
-
-def ceilings():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / timed(lambda: y.copy_(x))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * 8192**3 / timed(lambda: a @ b)
-    return bw, flops
 
 
 def dense_attention(q, k, v):

@@ -7,7 +7,8 @@ measures the same and more.
 
 from kernels import cute as ck
 from kernels import ops
-from kernels.bench.bench_sparse_attention import SHAPE, paged_problem, timed
+from kernels.bench.bench_sparse_attention import SHAPE, paged_problem
+from kernels.bench.timing import timed
 
 for n in (32768, 131072):
     pb, q, iq, kv, proxy, sel = paged_problem(1, n, n)

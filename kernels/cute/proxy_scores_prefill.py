@@ -21,7 +21,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import PREFILL_TILE_TOKENS, prefill_proxy_scores_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import quad_reduce, row_copy, rows_cols, swizzled_rows
+from kernels.cute.warp_mma import copy_rows, quad_reduce, row_copy, rows_cols, swizzled_rows
 
 WARPS = 4
 
@@ -107,17 +107,9 @@ class PrefillProxyScoreKernel:
         thr_copy = gmem_copy.get_slice(tidx)
 
         # The tile's index queries; rows past the request's tokens are zero and never stored.
-        gQ = cute.local_tile(
-            cute.domain_offset((first_token, 0), index_q[None, head, None]), (PREFILL_TILE_TOKENS, p.index_head_dim), (0, 0)
-        )
-        tQgQ = thr_copy.partition_S(gQ)
-        tQsQ = thr_copy.partition_D(sQ)
-        q_coords = thr_copy.partition_S(cute.make_identity_tensor((PREFILL_TILE_TOKENS, p.index_head_dim)))
-        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            if q_coords[0, i, 0][0] < num_rows:
-                cute.copy(gmem_copy, tQgQ[None, i, None], tQsQ[None, i, None])
-            else:
-                tQsQ[None, i, None].fill(0)
+        tile_shape = (PREFILL_TILE_TOKENS, p.index_head_dim)
+        gQ = cute.local_tile(cute.domain_offset((first_token, 0), index_q[None, head, None]), tile_shape, (0, 0))
+        copy_rows(gmem_copy, thr_copy, gQ, sQ, num_rows, tile_shape)
 
         thr_mma = mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))

@@ -27,7 +27,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import sparse_attention_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import as_a_operand, quad_reduce, row_copy, rows_cols, swizzled_rows
+from kernels.cute.warp_mma import as_a_operand, copy_rows, quad_reduce, row_copy, rows_cols, swizzled_rows
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -170,14 +170,7 @@ class SparseAttentionKernel:
 
         # Q rows of this tile; rows past the group are zero.
         gQ = cute.local_tile(cute.domain_offset((head0, 0), q[token, None, None]), (ROWS, p.head_dim), (0, 0))
-        tQgQ = thr_copy.partition_S(gQ)
-        tQsQ = thr_copy.partition_D(sQ)
-        q_coords = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
-        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            if q_coords[0, i, 0][0] < rows:
-                cute.copy(gmem_copy, tQgQ[None, i, None], tQsQ[None, i, None])
-            else:
-                tQsQ[None, i, None].fill(0)
+        copy_rows(gmem_copy, thr_copy, gQ, sQ, rows, (ROWS, p.head_dim))
 
         thr_mma = mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))

@@ -1,5 +1,6 @@
 """Register-fragment helpers for warp-level tensor-core MMAs (mma.sync m16n8k16) in CuTeDSL kernels."""
 
+import cutlass
 import cutlass.cute as cute
 
 
@@ -48,3 +49,17 @@ def row_copy(dtype, threads: int, dim: int, copy_op):
         cute.make_layout((threads // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
         cute.make_layout((1, vec)),
     )
+
+
+@cute.jit
+def copy_rows(tiled_copy: cute.TiledCopy, thr_copy, src: cute.Tensor, dst: cute.Tensor, num_rows,
+              tile_shape: cutlass.Constexpr):
+    """Copy the first `num_rows` rows of the `tile_shape` tile `src` into shared memory `dst`; zero the rest."""
+    src_part = thr_copy.partition_S(src)
+    dst_part = thr_copy.partition_D(dst)
+    coords = thr_copy.partition_S(cute.make_identity_tensor(tile_shape))
+    for i in cutlass.range_constexpr(cute.size(dst_part, mode=[1])):
+        if coords[0, i, 0][0] < num_rows:
+            cute.copy(tiled_copy, src_part[None, i, None], dst_part[None, i, None])
+        else:
+            dst_part[None, i, None].fill(0)
