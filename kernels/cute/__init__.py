@@ -2,8 +2,9 @@
 
 proxy_scores          causal max-pooled proxy block scores, decode (SIMT, every token on its own)
 proxy_scores_prefill  the same for prefill chunks (tensor cores, 64-token tiles of a request)
-sparse_attention  GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
-combine           merges the split-K partials
+sparse_attn           GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
+combine               merges the split-K partials
+warp_mma, fake        helpers: MMA fragments, tile copies, swizzles; symbolic tensors for compiling
 
 Kernels compile once per parameter set (compiled_kernel: in memory per process, exported object
 files on disk across processes) and are called with the torch tensors converted through dlpack on
@@ -52,17 +53,19 @@ def compiled_kernel(module: str, params):
     """The kernel of kernels/cute/<module>.py for `params`, compiled once per process and kept on disk.
 
     The disk cache (VLLM_MSA_KERNEL_CACHE, default ~/.cache/vllm_msa/kernels) holds CuTeDSL's exported
-    object file per (kernel source, params, CuTeDSL version, GPU arch); a later process loads it in
-    milliseconds instead of compiling for seconds. Each compile or load is logged with its time.
+    object file per (kernel sources: every file of kernels/cute, params, CuTeDSL version, GPU arch); a
+    later process loads it in milliseconds instead of compiling for seconds. Each compile or load is
+    logged with its time.
     """
     from cutlass import __version__ as cutlass_version
     from cutlass.cute.runtime import load_module
 
     source = importlib.import_module(f"kernels.cute.{module}")
     digest = hashlib.sha256()
-    for part in (Path(source.__file__).read_bytes(), Path(__file__).with_name("fake.py").read_bytes(),
-                 repr(params).encode(), cutlass_version.encode(), _target_arch().encode()):
-        digest.update(part)
+    for path in sorted(Path(__file__).parent.glob("*.py")):  # the kernel and the helpers it shares
+        digest.update(path.read_bytes())
+    for part in (module, repr(params), cutlass_version, _target_arch()):
+        digest.update(part.encode())
     name = f"{module}_{digest.hexdigest()[:20]}"
     cached = _cache_dir() / f"{name}.o"
     start = time.perf_counter()
