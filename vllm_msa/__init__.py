@@ -9,7 +9,7 @@ vLLM calls register() (entry point `vllm.general_plugins`) in each of its proces
     layer         MSAAttention: one MSA layer's caches and custom op
     metrics       Prometheus metrics of the sparse layers, worker -> API server /metrics
     selection_log debug option: log the selected blocks of a marked request
-    models/       FlashMSAForCausalLM
+    models/       FlashMSAForCausalLM; MiniMax-M3 with its sparse layers on FLASH_MSA
 """
 
 

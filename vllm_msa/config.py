@@ -5,6 +5,8 @@
                    "dense_layers": [0, 1, 2]}
 
 Layers listed in dense_layers run plain dense attention; every other layer is an MSA layer.
+MiniMax-M3 checkpoints describe the same things in their own `sparse_attention_config`
+(MSAModelConfig.from_minimax_m3, the fields vLLM's in-tree M3 reads).
 
 check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
@@ -14,8 +16,12 @@ serve stops `vllm serve` before any engine process starts, with a message naming
 from dataclasses import MISSING, dataclass, fields
 
 from kernels.shapes import MSAShape
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
+M3_SPARSE_CONFIG = "sparse_attention_config"
 
 
 class MSAConfigError(ValueError):
@@ -61,6 +67,50 @@ class MSAModelConfig:
         config.layer_shape(hf_config)  # validates head counts and top-k against the model
         return config
 
+    @classmethod
+    def from_minimax_m3(cls, text_config) -> "MSAModelConfig":
+        """MiniMax-M3's sparse_attention_config (and vLLM's defaults for missing fields) as MSA.
+
+        One shared index key (Hki 1), index heads == KV heads (vLLM's fused M3 projection requires it),
+        max-pooled block scores; layers with sparse_attention_freq 0 (or all, without it) are dense.
+        """
+        raw = getattr(text_config, M3_SPARSE_CONFIG, None)
+        if not isinstance(raw, dict):
+            raise MSAConfigError(f"this MiniMax-M3 config has no {M3_SPARSE_CONFIG}, so it has no sparse layers")
+        missing = [k for k in ("sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads",
+                               "sparse_index_dim") if k not in raw]
+        if missing:
+            raise MSAConfigError(f"{M3_SPARSE_CONFIG} is missing {missing}")
+        if raw.get("sparse_score_type", "max") != "max":
+            raise MSAConfigError(
+                f"{M3_SPARSE_CONFIG}.sparse_score_type {raw['sparse_score_type']!r}: FLASH_MSA max-pools block scores"
+            )
+        if raw["sparse_num_index_heads"] != text_config.num_key_value_heads:
+            raise MSAConfigError(
+                f"{M3_SPARSE_CONFIG}.sparse_num_index_heads {raw['sparse_num_index_heads']} != num_key_value_heads "
+                f"{text_config.num_key_value_heads}: MiniMax-M3 scores one index head per KV head"
+            )
+        if raw.get("sparse_local_block", 0) < 1:  # vLLM's M3 default is 0: no block forced
+            raise MSAConfigError(
+                f"{M3_SPARSE_CONFIG}.sparse_local_block must be >= 1: FLASH_MSA always reads the query's own block"
+            )
+        freq = raw.get("sparse_attention_freq") or []
+        config = cls(
+            block_size=raw["sparse_block_size"],
+            topk_blocks=raw["sparse_topk_blocks"],
+            num_index_heads=raw["sparse_num_index_heads"],
+            index_head_dim=raw["sparse_index_dim"],
+            num_index_key_heads=1,
+            local_blocks=raw["sparse_local_block"],
+            init_blocks=raw.get("sparse_init_block", 0),
+            dense_layers=tuple(i for i in range(text_config.num_hidden_layers) if i >= len(freq) or freq[i] == 0),
+        )
+        config.layer_shape(text_config)
+        return config
+
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        return [i for i in range(num_layers) if self.is_sparse(i)]
+
     def is_sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
@@ -84,9 +134,34 @@ class MSAModelConfig:
             raise MSAConfigError(f"msa_config does not fit this model: {e}") from None
 
 
+def flash_msa_selected(vllm_config) -> bool:
+    """Whether `--attention-backend FLASH_MSA` was given."""
+    return getattr(vllm_config.attention_config.backend, "name", None) == "FLASH_MSA"
+
+
 def check_serving_config(vllm_config) -> None:
     """Validate msa_config, --block-size and parallelism for FlashMSAForCausalLM; pin the block size."""
-    msa = MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config)
+    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config))
+
+
+def check_minimax_m3_serving_config(vllm_config) -> None:
+    """The same for MiniMax-M3 under FLASH_MSA, which also runs it eagerly; with any other backend
+    vLLM's own M3 path runs untouched.
+
+    vLLM captures M3 with its breakable CUDA graphs, which capture the K/V cache write of the dense
+    layers; FLASH_MSA's write (kernels.reference.write_paged: boolean-mask indexing, a host sync)
+    cannot be captured, so M3 on FLASH_MSA runs without CUDA graphs.
+    """
+    if not flash_msa_selected(vllm_config):
+        return
+    model_config = vllm_config.model_config
+    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_minimax_m3(model_config.hf_text_config))
+    if not model_config.enforce_eager:
+        logger.warning("MiniMax-M3 on FLASH_MSA runs without CUDA graphs (as with --enforce-eager)")
+        model_config.enforce_eager = True
+
+
+def _check_cache_and_parallelism(vllm_config, msa: MSAModelConfig) -> None:
     if msa.block_size not in SERVED_BLOCK_SIZES:
         raise MSAConfigError(
             f"msa_config.block_size {msa.block_size} is not served: FLASH_MSA keeps one MSA block per KV page "
@@ -103,5 +178,5 @@ def check_serving_config(vllm_config) -> None:
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise MSAConfigError(
-            "FlashMSAForCausalLM runs with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only"
+            "FLASH_MSA runs with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only"
         )

@@ -1,5 +1,8 @@
 """Makes `--attention-backend FLASH_MSA` and the FlashMSAForCausalLM architecture known to vLLM.
 
+It also takes over vLLM's MiniMaxM3SparseForCausalLM (models/minimax_m3.py), which runs vLLM's own
+M3 unless FLASH_MSA is selected, and hooks check_minimax_m3_serving_config into both M3 architectures.
+
 The MSA op joins vLLM's attention ops, where piecewise CUDA graphs are split (split_graphs_at_msa_op).
 The architecture also gets vLLM's per-architecture config hook (MODELS_CONFIG_MAP, as vLLM's own
 sparse-attention models use): config.check_serving_config, run when vLLM builds its config.
@@ -16,6 +19,8 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 BACKEND_NAME = "FLASH_MSA"
 BACKEND_CLASS = "vllm_msa.backend.FlashMSABackend"
 ARCHITECTURES = {"FlashMSAForCausalLM": "vllm_msa.models.flash_msa:FlashMSAForCausalLM"}
+M3_OVERRIDE = ("MiniMaxM3SparseForCausalLM", "vllm_msa.models.minimax_m3:FlashMSAMiniMaxM3ForCausalLM")
+M3_ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
 MSA_OP = "vllm_msa::msa_attention"  # vllm_msa/layer.py
 
 
@@ -44,18 +49,26 @@ def register_models() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
-    from vllm_msa.config import check_serving_config
+    from vllm_msa.config import check_minimax_m3_serving_config, check_serving_config
 
     class FlashMSAServingConfig(VerifyAndUpdateConfig):
         @staticmethod
         def verify_and_update_config(vllm_config) -> None:
             check_serving_config(vllm_config)
 
+    class MiniMaxM3ServingConfig(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            check_minimax_m3_serving_config(vllm_config)
+
     known = set(ModelRegistry.get_supported_archs())
     for arch, target in ARCHITECTURES.items():
         if arch not in known:
             ModelRegistry.register_model(arch, target)
         MODELS_CONFIG_MAP.setdefault(arch, FlashMSAServingConfig)
+    ModelRegistry.register_model(*M3_OVERRIDE)  # replaces vLLM's entry (idempotent)
+    for arch in M3_ARCHITECTURES:
+        MODELS_CONFIG_MAP.setdefault(arch, MiniMaxM3ServingConfig)
 
 
 def split_graphs_at_msa_op() -> None:

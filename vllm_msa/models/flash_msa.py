@@ -53,7 +53,7 @@ class FlashMSAAttention(nn.Module):
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
-        last_msa_layer = max(i for i in range(config.num_hidden_layers) if msa.is_sparse(i))
+        last_msa_layer = msa.sparse_layers(config.num_hidden_layers)[-1]
         self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn",
                                  publishes_metrics=extract_layer_index(prefix) == last_msa_layer)
 
@@ -83,7 +83,7 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         hf_config = vllm_config.model_config.hf_config
         msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
-        sparse = [i for i in range(hf_config.num_hidden_layers) if msa.is_sparse(i)]
+        sparse = msa.sparse_layers(hf_config.num_hidden_layers)
         device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)
         logger.info(
             "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "

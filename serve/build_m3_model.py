@@ -1,0 +1,198 @@
+"""Build a tiny random-weight MiniMax-M3 checkpoint in the format vLLM's in-tree M3 loads.
+
+Owns the tiny M3 test model: `config.json` as MiniMax-M3 ships it (`model_type` minimax_m3_vl with
+the text backbone in `text_config`, served as MiniMaxM3SparseForCausalLM), seeded random bf16
+weights under M3's checkpoint names, and the demo model's locally trained BPE tokenizer.
+
+M3's attention is kept where vLLM's kernels fix it (head_dim = index dim = 128, 128-token blocks,
+one shared index key, index heads == KV heads, Hq/Hkv = 16, partial RoPE over 64 dims, Gemma
+norms, first 3 layers dense) and scaled down elsewhere: 2 KV heads, top-4 blocks so prompts of a
+few thousand tokens run sparse, hidden 256, 5 layers, 8 experts (MoE on the sparse layers, as M3).
+
+    python serve/build_m3_model.py OUT_DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
+from serve.build_demo_model import BOS, EOS, IM_END, PAD, _write_json, is_complete, write_tokenizer  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+NUM_LAYERS = 5
+DENSE = [0, 0, 0, 1, 1]  # M3: the first 3 layers dense (attention and MLP), the rest sparse + MoE
+
+TEXT_CONFIG = {
+    "architectures": ["MiniMaxM3SparseForCausalLM"],
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 128,
+    "dense_intermediate_size": 512,
+    "shared_intermediate_size": 128,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "use_gemma_norm": True,
+    "attention_output_gate": False,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "partial_rotary_factor": 0.5,
+    "hidden_act": "swigluoai",
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_head",
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "routed_scaling_factor": 2.0,
+    "num_mtp_modules": 0,
+    "moe_layer_freq": DENSE,
+    "sparse_attention_config": {
+        "use_sparse_attention": True,
+        "sparse_index_dim": 128,
+        "sparse_num_index_heads": 2,
+        "sparse_topk_blocks": 4,
+        "sparse_block_size": 128,
+        "sparse_disable_index_value": DENSE,
+        "sparse_score_type": "max",
+        "sparse_init_block": 0,
+        "sparse_local_block": 1,
+        "sparse_attention_freq": DENSE,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": BOS,
+    "eos_token_id": [EOS, IM_END],
+    "pad_token_id": PAD,
+}
+
+
+def make_config(**text_overrides) -> dict:
+    """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is merged)."""
+    text = json.loads(json.dumps(TEXT_CONFIG))
+    sparse = text_overrides.pop("sparse_attention_config", {})
+    unknown = (text_overrides.keys() - text.keys()) | (sparse.keys() - text["sparse_attention_config"].keys())
+    if unknown:
+        raise TypeError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    text.update(text_overrides)
+    text["sparse_attention_config"].update(sparse)
+    return {
+        "model_type": "minimax_m3_vl",
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "text_config": text,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+
+
+def checkpoint_tensors(text: dict, seed: int) -> dict:
+    """Seeded random weights under M3's checkpoint names: N(0, 1/fan_in) linears, small norm offsets
+    (Gemma norms scale by 1 + w), an lm_head of 2/sqrt(H) so greedy logits are well separated."""
+    import torch
+
+    H, V, D = text["hidden_size"], text["vocab_size"], text["head_dim"]
+    Hq, Hkv, E = text["num_attention_heads"], text["num_key_value_heads"], text["num_local_experts"]
+    sparse = text["sparse_attention_config"]
+    Hi, Dp = sparse["sparse_num_index_heads"], sparse["sparse_index_dim"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+
+    def normal(name, shape, std, dtype=torch.bfloat16):
+        tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
+
+    def linear(name, out_features, in_features, dtype=torch.bfloat16):
+        normal(f"{name}.weight", (out_features, in_features), 1 / math.sqrt(in_features), dtype)
+
+    def norm(name, size):
+        normal(f"{name}.weight", (size,), 0.1)
+
+    def mlp(name, gate, up, down, size):
+        linear(f"{name}.{gate}", size, H)
+        linear(f"{name}.{up}", size, H)
+        linear(f"{name}.{down}", H, size)
+
+    normal("model.embed_tokens.weight", (V, H), 1.0)
+    for i in range(text["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm", H)
+        norm(f"{p}.post_attention_layernorm", H)
+        linear(f"{p}.self_attn.q_proj", Hq * D, H)
+        linear(f"{p}.self_attn.k_proj", Hkv * D, H)
+        linear(f"{p}.self_attn.v_proj", Hkv * D, H)
+        linear(f"{p}.self_attn.o_proj", H, Hq * D)
+        norm(f"{p}.self_attn.q_norm", D)
+        norm(f"{p}.self_attn.k_norm", D)
+        if sparse["sparse_attention_freq"][i]:
+            linear(f"{p}.self_attn.index_q_proj", Hi * Dp, H)
+            linear(f"{p}.self_attn.index_k_proj", Dp, H)
+            norm(f"{p}.self_attn.index_q_norm", Dp)
+            norm(f"{p}.self_attn.index_k_norm", Dp)
+        if text["moe_layer_freq"][i]:
+            moe = f"{p}.block_sparse_moe"
+            linear(f"{moe}.gate", E, H, torch.float32)
+            normal(f"{moe}.e_score_correction_bias", (E,), 0.01, torch.float32)
+            for e in range(E):
+                mlp(f"{moe}.experts.{e}", "w1", "w3", "w2", text["intermediate_size"])
+            mlp(f"{moe}.shared_experts", "gate_proj", "up_proj", "down_proj",
+                text["intermediate_size"] * text["n_shared_experts"])
+        else:
+            mlp(f"{p}.mlp", "gate_proj", "up_proj", "down_proj", text["dense_intermediate_size"])
+    norm("model.norm", H)
+    normal("lm_head.weight", (V, H), 2 / math.sqrt(H))
+    return tensors
+
+
+def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
+    """Write the checkpoint to out_dir (reused when complete with the same config.json); return its path.
+
+    Built in a sibling temporary directory and renamed into place; a different model there is replaced.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir).resolve()
+    config = make_config(**text_overrides)
+    if is_complete(out_dir) and json.loads((out_dir / "config.json").read_text()) == config:
+        log.info("reused: %s", out_dir)
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        text = config["text_config"]
+        write_tokenizer(tmp, text)
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        tensors = checkpoint_tensors(text, seed)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        log.info("weights: %d tensors, %.2fM parameters, seed %d",
+                 len(tensors), sum(t.numel() for t in tensors.values()) / 1e6, seed)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors create private files
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory (created or reused)")
+    parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    build_m3_model(args.out_dir, seed=args.seed)

@@ -1,0 +1,110 @@
+"""MiniMax-M3 on FLASH_MSA: vLLM's in-tree M3 whose sparse layers run on this project's kernels.
+
+Owns FlashMSAMiniMaxM3ForCausalLM, registered under vLLM's own architecture name
+MiniMaxM3SparseForCausalLM (also the text backbone of MiniMaxM3SparseForConditionalGeneration).
+With `--attention-backend FLASH_MSA` every sparse layer (sparse_attention_freq != 0) is a
+FlashMSAMiniMaxM3Attention: vLLM's fused [q | k | v | index_q | index_k] projection, its fused
+Gemma-RMSNorm + partial-NeoX-RoPE op (without its cache insert), then MSAAttention (proxy scores,
+top-k, sparse attention of kernels.ops on FLASH_MSA's K/V and proxy-key caches) and vLLM's o_proj.
+Parameter names equal vLLM's, so vLLM's M3 weight loading is used unchanged. Dense layers, MoE,
+norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
+CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); eager only under FLASH_MSA
+(config.check_minimax_m3_serving_config says why).
+"""
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+from kernels import ops
+from vllm import _custom_ops as vllm_ops
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer, RowParallelLinear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+from vllm_msa.config import MSAModelConfig, flash_msa_selected
+from vllm_msa.layer import MSAAttention
+
+logger = init_logger("vllm.msa")
+
+_M3_MODEL_MODULE = sys.modules[MiniMaxM3SparseForCausalLM.__module__]  # vLLM's nvidia (or amd) model.py
+
+
+class FlashMSAMiniMaxM3Attention(nn.Module):
+    """Constructor, parameters and forward of vLLM's MiniMaxM3SparseAttention; attention is MSAAttention."""
+
+    def __init__(self, config, layer_id: int, quant_config=None, prefix: str = "", cache_config=None,
+                 topk_indices_buffer=None) -> None:
+        super().__init__()
+        msa = MSAModelConfig.from_minimax_m3(config)
+        shape = msa.layer_shape(config)
+        self.shape = shape
+        self.q_size = shape.num_q_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.index_q_size = shape.num_index_heads * shape.index_head_dim
+        self.qkv_proj = MinimaxM3QKVParallelLinearWithIndexer(
+            config.hidden_size, shape.head_dim, shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads,
+            shape.index_head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=False, reduce_results=False,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        norm = _M3_MODEL_MODULE.MiniMAXGemmaRMSNorm
+        self.q_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
+        self.index_q_norm = norm(shape.index_head_dim, eps=config.rms_norm_eps)
+        self.index_k_norm = norm(shape.index_head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(  # M3 ropes the index branch with the same table
+            shape.head_dim, max_position=config.max_position_embeddings,
+            rope_parameters={"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
+        )
+        self.attn = MSAAttention(shape, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn",
+                                 publishes_metrics=layer_id == msa.sparse_layers(config.num_hidden_layers)[-1])
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        qkv, _ = self.qkv_proj(hidden_states)
+        q = qkv.new_empty((qkv.shape[0], self.q_size))
+        index_q = qkv.new_empty((qkv.shape[0], self.index_q_size))
+        # In place on k and index_k inside qkv; q and index_q written to their own buffers.
+        vllm_ops.fused_minimax_m3_qknorm_rope_kv_insert(
+            qkv, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache, positions,
+            s.num_q_heads, s.num_kv_heads, self.rotary_emb.rotary_dim, self.q_norm.variance_epsilon,
+            self.index_q_norm.weight, self.index_k_norm.weight, s.num_index_heads, q_out=q, index_q_out=index_q,
+        )
+        _, k, v, _, index_k = qkv.split(
+            [self.q_size, self.kv_size, self.kv_size, self.index_q_size, s.index_head_dim], dim=-1
+        )
+        return self.o_proj(self.attn(q, k, v, index_q, index_k))[0]
+
+
+@contextlib.contextmanager
+def _sparse_attention_class(cls: type[nn.Module]):
+    """vLLM's MiniMaxM3DecoderLayer builds `MiniMaxM3SparseAttention` from its module: swap it while building."""
+    original = _M3_MODEL_MODULE.MiniMaxM3SparseAttention
+    _M3_MODEL_MODULE.MiniMaxM3SparseAttention = cls
+    try:
+        yield
+    finally:
+        _M3_MODEL_MODULE.MiniMaxM3SparseAttention = original
+
+
+class FlashMSAMiniMaxM3ForCausalLM(MiniMaxM3SparseForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        if not flash_msa_selected(vllm_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            return
+        text_config = vllm_config.model_config.hf_text_config
+        msa = MSAModelConfig.from_minimax_m3(text_config)  # fail before building anything
+        with _sparse_attention_class(FlashMSAMiniMaxM3Attention):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        shape = msa.layer_shape(text_config)
+        logger.info(
+            "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
+            "dense layers %s on the FLASH_MSA dense path",
+            msa.sparse_layers(text_config.num_hidden_layers),
+            ops.describe(vllm_config.device_config.device, vllm_config.model_config.dtype, shape),
+            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks, list(msa.dense_layers),
+        )
