@@ -1,7 +1,8 @@
 """The MSA entry points callers use: each step runs a CuTeDSL kernel where one serves the inputs
 (Hopper GPU, bf16, supported shape) and the PyTorch reference otherwise.
 
-    proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py), else reference
+    proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py for decode batches,
+                      proxy_scores_prefill.py once a request has 64+ new tokens), else reference
     top-k selection   reference (torch ops, on the inputs' device)
     sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn.py + combine.py), else reference
 """

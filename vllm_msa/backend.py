@@ -165,7 +165,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         every_block = torch.arange(max_blocks, dtype=torch.int32, device=query.device)
         selected = every_block.expand(n, shape.num_index_heads, max_blocks)
         selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
-        reference.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
+        ops.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
         return output
 
     def forward_msa(
