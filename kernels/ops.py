@@ -47,6 +47,14 @@ def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
     return f"proxy scores: {proxy}, top-k: PyTorch, sparse attention: {attention}"
 
 
+def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, proxy_scores: bool = True) -> bool:
+    """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels and
+    the torch top-k run without host syncs; the reference loops over requests on the host."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    served = uses_cute_sparse_attention(probe, shape)
+    return served and (not proxy_scores or uses_cute_proxy_scores(probe, shape))
+
+
 def proxy_block_scores(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
     if uses_cute_proxy_scores(index_q, shape):
         from kernels import cute

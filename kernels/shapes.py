@@ -69,6 +69,8 @@ class PagedBatch:
     Request r owns query tokens query_start_loc[r]:query_start_loc[r+1]; they are the last tokens of
     its seq_lens[r] tokens (cached context + new tokens), so token i of r sits at position
     seq_lens[r] - q_len[r] + i. Logical block b of r lives in physical page block_table[r, b].
+    A full CUDA graph replays on a padded batch: requests with seq_len 0 and no tokens, and tokens
+    past query_start_loc[-1] at position -1, which see no key (every step selects nothing for them).
     """
 
     query_start_loc: torch.Tensor  # [R + 1] int
@@ -93,15 +95,22 @@ class PagedBatch:
 
     @cached_property
     def token_requests(self) -> torch.Tensor:
-        """Request index of every query token, [num_tokens] int32."""
-        q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        requests = torch.arange(self.num_requests, dtype=torch.int32, device=q_lens.device)
-        return torch.repeat_interleave(requests, q_lens, output_size=self.num_tokens)
+        """Request index of every query token, [num_tokens] int32.
+
+        Computed on the device without a host sync or data-dependent shape, so a CUDA graph can
+        record it and replay it on a padded batch: tokens past query_start_loc[-1] (padding) get
+        the last request.
+        """
+        tokens = torch.arange(self.num_tokens, dtype=self.query_start_loc.dtype, device=self.query_start_loc.device)
+        requests = torch.searchsorted(self.query_start_loc[1:], tokens, right=True, out_int32=True)
+        return requests.clamp_(max=max(0, self.num_requests - 1))
 
     @cached_property
     def positions(self) -> torch.Tensor:
-        """Position of every query token in its sequence, [num_tokens] int64."""
+        """Position of every query token in its sequence, [num_tokens] int64; -1 for padding tokens."""
         request = self.token_requests.long()
+        tokens = torch.arange(self.num_tokens, device=request.device)
         q_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1])[request]
-        offset_in_query = torch.arange(self.num_tokens, device=request.device) - self.query_start_loc[request]
-        return (self.seq_lens[request] - q_lens + offset_in_query).long()
+        offset_in_query = tokens - self.query_start_loc[request]
+        positions = self.seq_lens[request] - q_lens + offset_in_query
+        return torch.where(tokens < self.query_start_loc[-1], positions, -1).long()

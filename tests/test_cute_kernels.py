@@ -160,3 +160,53 @@ def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0)
     rel = (out.float() - want).norm() / want.norm()
     assert cos >= 0.99 and rel <= 1e-2, (cos, rel)
+
+
+@gpu
+@pytest.mark.gpu
+def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference():
+    """What vLLM's full decode graphs do: capture the layer on persistent batch buffers once, then
+    replay it after writing a smaller batch into them (padding requests: seq_len 0, no tokens)."""
+    from kernels import ops
+    from kernels.shapes import PagedBatch
+
+    shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+                     index_head_dim=128, topk_blocks=16)
+    seq_lens = [20000, 130, 7, 4500, 131072 - 3]
+    case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
+    padded = 8
+    qsl = torch.arange(padded + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((padded,), seq_lens[0], dtype=torch.int32, device="cuda")  # capture: 8 copies of request 0
+    table = case.batch.block_table[:1].repeat(padded, 1).contiguous()
+    q = torch.randn(padded, *case.q.shape[1:], device="cuda", dtype=torch.bfloat16)
+    index_q = torch.randn(padded, *case.index_q.shape[1:], device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def layer():
+        batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)  # fresh: computed in the graph
+        batch.query_start_loc_cpu = list(range(padded + 1))  # the host's view, as vLLM's builder sets it
+        return ops.msa_attention(q, index_q, case.kv_cache, case.proxy_cache, batch, shape, case.scale, out=out)[1]
+
+    layer()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        selected = layer()
+    n = len(seq_lens)
+    qsl[n + 1 :] = n
+    lens.copy_(torch.tensor(seq_lens + [0] * (padded - n), dtype=torch.int32))
+    table.zero_()
+    table[:n] = case.batch.block_table
+    q[:n], index_q[:n] = case.q, case.index_q
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    assert torch.equal(selected[:n], want_sel)
+    assert (selected[n:] == -1).all()
+    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)
+    got = out[:n].double()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    rel = (got - want).norm() / want.norm()
+    assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())
+    assert (out[n:] == 0).all()  # padding tokens read nothing and get zeros, never NaN

@@ -5,9 +5,8 @@ M3's sparse_attention_config maps onto MSAShape (and what FLASH_MSA cannot serve
 serving check acts only under FLASH_MSA; vLLM's own M3 indexer kernels (Triton, run by Triton's
 interpreter) select the same blocks as kernels.reference on the same paged inputs.
 GPU (skipped without CUDA): the same selection check with real Triton against kernels.ops, and
-vLLM's own M3 path (with its CUDA graphs) vs the FLASH_MSA path (eager, see
-config.check_minimax_m3_serving_config) on the tiny checkpoint: model classes, weight coverage,
-greedy tokens.
+vLLM's own M3 path vs the FLASH_MSA path, both with vLLM's CUDA graphs, on the tiny checkpoint:
+model classes, weight coverage, greedy tokens.
 
     python3 -m pytest -q tests/test_minimax_m3.py
 """
@@ -122,7 +121,7 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
     cache = CacheConfig() if block_size is None else CacheConfig(block_size=block_size)
     cache.user_specified_block_size = block_size is not None
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=text_config, enforce_eager=False),
+        model_config=SimpleNamespace(hf_text_config=text_config),
         cache_config=cache,
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         attention_config=AttentionConfig(backend=backend),
@@ -135,10 +134,10 @@ def test_m3_serving_check_acts_only_under_flash_msa(text_config):
     vllm_msa.register()
     untouched = serving_config(text_config, None, block_size=16, tensor_parallel_size=2)
     check_minimax_m3_serving_config(untouched)  # vLLM's own path: nothing checked, nothing changed
-    assert untouched.cache_config.block_size == 16 and not untouched.model_config.enforce_eager
+    assert untouched.cache_config.block_size == 16
     pinned = serving_config(text_config, "FLASH_MSA")
     check_minimax_m3_serving_config(pinned)
-    assert pinned.cache_config.block_size == 128 and pinned.model_config.enforce_eager
+    assert pinned.cache_config.block_size == 128
     with pytest.raises(MSAConfigError, match="--block-size 128"):
         check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", block_size=16))
     with pytest.raises(MSAConfigError, match="--tensor-parallel-size 1"):
@@ -315,7 +314,7 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_model):
     assert ours["model_class"] == "vllm_msa.models.minimax_m3.FlashMSAMiniMaxM3ForCausalLM", ours
     assert theirs["layer_classes"] == ["MiniMaxM3Attention"] * 3 + ["MiniMaxM3SparseAttention"] * 2
     assert ours["layer_classes"] == ["MiniMaxM3Attention"] * 3 + ["FlashMSAMiniMaxM3Attention"] * 2
-    assert ours["cudagraph_mode"] == "NONE", ours["cudagraph_mode"]
+    assert ours["cudagraph_mode"] == "FULL_AND_PIECEWISE", ours["cudagraph_mode"]  # full graphs for decode
     assert ours["unused_tensors"] == [] and theirs["unused_tensors"] == [], "checkpoint tensors loaded nowhere"
     # bf16 paths with different kernels: a token may differ only where vLLM's top-2 are a near tie
     # (then the continuations legitimately diverge); everywhere else the tokens must be equal.

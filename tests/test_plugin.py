@@ -112,3 +112,17 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
     shape = MSAModelConfig.from_hf_config(hf).layer_shape(hf)
     assert shape == MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                              index_head_dim=128, topk_blocks=16)
+
+
+def test_metrics_count_no_padding_tokens():
+    import torch
+
+    from vllm_msa.metrics import StepStats
+
+    selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]]], dtype=torch.int32)
+    positions = torch.tensor([300, 200])
+    plain, padded = StepStats(torch.device("cpu"), "m"), StepStats(torch.device("cpu"), "m")
+    plain.record(selected, positions, 128)
+    padded.record(torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
+                  torch.cat([positions, torch.full((3,), -1)]), 128)
+    assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2

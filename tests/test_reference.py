@@ -169,3 +169,18 @@ def test_paged_batch_positions():
         query_start_loc=torch.tensor([0, 1, 4, 4]), seq_lens=torch.tensor([10, 3, 7]), block_table=torch.zeros(3, 1)
     )
     assert batch.positions.tolist() == [9, 0, 1, 2]
+
+
+def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
+    """A CUDA graph replays on vLLM's padded batch: 2 real requests, 2 padding ones (seq_len 0)."""
+    shape = _shape()
+    batch = PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 2, 2, 2]), seq_lens=torch.tensor([300, 129, 0, 0]),
+        block_table=torch.zeros(4, 3, dtype=torch.int32),
+    )
+    batch.query_start_loc_cpu = [0, 1, 2, 3, 4]  # the graph's token count: 4, two of them padding
+    assert batch.token_requests.tolist() == [0, 1, 3, 3]
+    assert batch.positions.tolist() == [299, 128, -1, -1]
+    selected = select_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
+    assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
+

@@ -9,16 +9,24 @@ proxy keys per 128-token block, picks the top-k blocks and runs attention over t
 Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
 CUDA) run FlashMSAImpl.forward, the same sparse attention with every visible block selected.
 
+CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
+and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
+positions, fixed-size selections), so the builder offers full graphs for single-token decode
+batches; other batches run the layers eagerly between piecewise graphs.
+
 K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
+from vllm_msa import metrics
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -74,15 +82,25 @@ class FlashMSAMetadata(AttentionMetadata):
 class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     """Any mix of decode, prefill and chunked prefill in any order: no batch reordering needed."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold = None
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):  # abstract in vLLM's base
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """Full graphs for decode batches when every FLASH_MSA layer of the model runs CuTeDSL kernels."""
+        device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
+        impls = [getattr(layer, "impl", None) for layer in vllm_config.compilation_config.static_forward_context.values()]
+        impls = [impl for impl in impls if isinstance(impl, FlashMSAImpl)]
+        if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> FlashMSAMetadata:
+        metrics.publish_recorded()  # runs every step, also before a step that replays a full CUDA graph
         m = common_attn_metadata
         batch = PagedBatch(
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
@@ -128,8 +146,12 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.msa_shape = msa_shape
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        reference.write_paged(kv_cache[:, 0], slot_mapping, key)
-        reference.write_paged(kv_cache[:, 1], slot_mapping, value)
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if self.msa_shape is None:  # a dense layer: sparse attention only (its top-k does not matter)
+            return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
+        return ops.graph_capturable(device, dtype, self.msa_shape)
 
     def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
         """A dense layer as MSA: one index head per KV head and every block selectable."""
@@ -185,7 +207,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         shape = self.msa_shape
         n = attn_metadata.num_actual_tokens
         self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
-        reference.write_paged(proxy_cache, proxy_metadata.slot_mapping, index_key)
+        write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
         _, selected = ops.msa_attention(
             query[:n],
             index_query[:n],
@@ -198,3 +220,25 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
             proxy_batch=proxy_metadata.batch,
         )
         return selected
+
+
+def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
+    """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
+
+    On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the proxy
+    cache passes itself as both caches, the same rows written twice. Elsewhere the reference.
+    """
+    if key_cache.is_cuda:
+        from vllm import _custom_ops as vllm_ops
+
+        scale = _unit_scale(key_cache.device)
+        vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
+        return
+    reference.write_paged(key_cache, slot_mapping, key)
+    if value_cache is not key_cache:
+        reference.write_paged(value_cache, slot_mapping, value)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)

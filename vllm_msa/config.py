@@ -145,20 +145,14 @@ def check_serving_config(vllm_config) -> None:
 
 
 def check_minimax_m3_serving_config(vllm_config) -> None:
-    """The same for MiniMax-M3 under FLASH_MSA, which also runs it eagerly; with any other backend
-    vLLM's own M3 path runs untouched.
+    """The same for MiniMax-M3 under FLASH_MSA; with any other backend vLLM's own M3 path runs untouched.
 
-    vLLM captures M3 with its breakable CUDA graphs, which capture the K/V cache write of the dense
-    layers; FLASH_MSA's write (kernels.reference.write_paged: boolean-mask indexing, a host sync)
-    cannot be captured, so M3 on FLASH_MSA runs without CUDA graphs.
+    vLLM captures M3 with its breakable CUDA graphs: FLASH_MSA's MSA op is an eager break of those
+    (vllm_msa/layer.py) and its cache writes are capturable, so M3 keeps vLLM's CUDA graphs.
     """
     if not flash_msa_selected(vllm_config):
         return
-    model_config = vllm_config.model_config
-    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_minimax_m3(model_config.hf_text_config))
-    if not model_config.enforce_eager:
-        logger.warning("MiniMax-M3 on FLASH_MSA runs without CUDA graphs (as with --enforce-eager)")
-        model_config.enforce_eager = True
+    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_minimax_m3(vllm_config.model_config.hf_text_config))
 
 
 def _check_cache_and_parallelism(vllm_config, msa: MSAModelConfig) -> None:

@@ -2,7 +2,8 @@
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
 layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
-(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it. Each step's
+(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
+splits its piecewise CUDA graphs there; breakable graphs break there). Each step's
 selection feeds the sparse-layer metrics (metrics.py; the model's last MSA layer publishes them)
 and, for requests marked for it, the selection log (selection_log.py).
 """
@@ -12,6 +13,7 @@ from torch import nn
 from torch.library import Library
 
 from kernels.shapes import MSAShape
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -105,10 +107,12 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         stats.record(selected, batch.positions, s.block_size)
         if self.publishes_metrics:
             stats.publish()
-        if selection_log.labels_by_row:
+        capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
+        if selection_log.labels_by_row and not capturing:
             selection_log.log_selection(self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens)
 
 
+@eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
 def _msa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
     output: torch.Tensor, layer_name: str,

@@ -18,10 +18,11 @@ Mean selected blocks per token = selected_blocks / selections; fraction of conte
 read_tokens / context_tokens.
 
 Cost: per MSA layer and step about a dozen small tensor ops on the [T, Hi, K] selection, on its
-device and without a host sync (on a 2-core CPU: 64 us for an 8-token decode step, 0.3 ms for a
+device and without a host sync (so a CUDA graph records them; its padding tokens count nothing) (on a 2-core CPU: 64 us for an 8-token decode step, 0.3 ms for a
 2048-token chunk); once per step (after the last MSA layer) the totals, 13 float64,
 are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
-reaches the file one step later, once its event has completed.
+reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
+run no Python: their totals are published from the next step's metadata build.
 """
 
 import atexit
@@ -69,20 +70,20 @@ class StepStats:
         if num_tokens == 0:
             return
         pos = positions[:num_tokens]
+        real = (pos >= 0)[:, None].expand(num_tokens, num_heads)  # CUDA-graph padding has position -1
         blocks = (selected >= 0).sum(-1)  # [T, Hi]; the query's own block is always among them
-        context = pos + 1
+        context = (pos + 1)[:, None].expand(num_tokens, num_heads)
         own_block_unseen = block_size - 1 - pos % block_size  # its keys after the query
-        read = blocks * block_size - own_block_unseen[:, None]
-        fraction = (read.double() / context[:, None]).flatten()
-        sums = torch.stack([blocks.sum(), context.sum() * num_heads, read.sum()]).double()
+        read = (blocks * block_size - own_block_unseen[:, None]).where(real, 0)
+        fraction = (read.double() / context.clamp(min=1)).flatten()
+        sums = torch.stack([real.sum(), blocks.where(real, 0).sum(), context.where(real, 0).sum(), read.sum()])
         totals = self.totals
-        totals[0] += num_tokens * num_heads
-        totals[1:4] += sums
+        totals[0:4] += sums.double()
         totals[4] += fraction.sum()
-        totals[5:].index_add_(0, torch.bucketize(fraction, self.bounds), torch.ones_like(fraction))
+        totals[5:].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double())
 
     def publish(self) -> None:
-        if self.file_values is None:
+        if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
             return
         if self.staging is None:
             self.file_values.copy_(self.totals)
@@ -189,3 +190,10 @@ def step_stats(device: torch.device, model_name: str) -> StepStats:
     if _step_stats is None:
         _step_stats = StepStats(device, model_name)
     return _step_stats
+
+
+def publish_recorded() -> None:
+    """Publish what the MSA layers recorded so far, from host code that runs every step (the metadata
+    builder): a step replayed from a full CUDA graph records on the device but runs no Python."""
+    if _step_stats is not None:
+        _step_stats.publish()

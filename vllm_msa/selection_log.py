@@ -7,6 +7,9 @@ query token of the step (the last prompt token of a prefill chunk, or the decode
 
     MSA selection LABEL model.layers.1.self_attn.attn position=2050 blocks=[[0, 7, 12, 16], ...]
 
+On a GPU, decode steps replayed from a full CUDA graph run no Python and are not logged: add
+`-cc.cudagraph_mode=PIECEWISE` (or `--enforce-eager`) to log every step.
+
 SelectionLog is a vLLM logits processor only because vLLM tells logits processors which request
 sits in which row of the persistent batch, the row order of the step's attention metadata; it
 never changes logits. Logging costs a host copy of the marked rows' selections, and nothing while no

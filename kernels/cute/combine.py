@@ -54,7 +54,10 @@ class CombineKernel:
                 weight = cute.math.exp(lse - lse_max, fastmath=True)
                 total += weight
                 acc += weight * partial_out[s, token, head, d]
-        out[token, head, d] = (acc / total).to(out.element_type)
+        result = cutlass.Float32(0.0)  # a token that selected nothing (CUDA-graph padding) gets zeros
+        if total > 0.0:
+            result = acc / total
+        out[token, head, d] = result.to(out.element_type)
 
 
 def fake_arguments(params: CombineParams):
