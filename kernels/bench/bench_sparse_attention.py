@@ -88,6 +88,23 @@ def decode(bw):
                   f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |")
 
 
+def decode_splits(bw):
+    """Split-K sweep at 128K x 32: what sparse_attn.num_splits chooses against every split count."""
+    from kernels.cute.sparse_attn import SparseAttentionParams, num_splits, resident_ctas_per_sm
+
+    params = SparseAttentionParams(SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.num_index_heads, SHAPE.head_dim)
+    resident = resident_ctas_per_sm(params) * torch.cuda.get_device_properties(0).multi_processor_count
+    chosen, _ = num_splits(32, params, SHAPE.topk_blocks, resident)
+    print(f"\n## decode split-K sweep (128K x 32; {resident} resident CTAs; num_splits picks {chosen})\n")
+    print("| splits | sparse attn us | % copy bw |")
+    print("|---|---|---|")
+    pb, q, _, kv, _, selected = paged_problem(32, 131072, 1)
+    nbytes = 32 * SHAPE.num_index_heads * 16 * 128 * SHAPE.head_dim * 2 * 2
+    for splits in (1, 2, 3, 4, 6, 8, 16):
+        t = graph_timed(lambda: cute_kernels.sparse_attention(q, kv, pb, selected, SHAPE, 0.088, splits=splits))
+        print(f"| {splits}{' (chosen)' if splits == chosen else ''} | {t * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |")
+
+
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
     print("| tokens | sparse attn ms | TFLOP/s | % matmul | proxy scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
@@ -116,6 +133,7 @@ def main():
     bw, flops = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     decode(bw)
+    decode_splits(bw)
     prefill(flops)
     print(f"\ntotal {time.time() - t0:.0f} s")
 

@@ -27,8 +27,6 @@ from kernels.shapes import MSAShape, PagedBatch
 
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show compile times
 
-CTAS_PER_SM = 4  # resident sparse-attention CTAs per SM the split-K heuristic aims for
-
 
 def proxy_scores_supported(index_head_dim: int, block_size: int) -> bool:
     """Shapes the proxy score kernel serves: 128-token blocks, 16-byte row chunks within a warp."""
@@ -170,19 +168,25 @@ def sparse_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.sparse_attention, for bf16 inputs on a CUDA device.
 
-    kv_cache must be contiguous; q and out may be strided views.
+    kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token,
+    head tile), chosen by sparse_attn.num_splits unless given (benchmarks sweep it).
     """
     from kernels.cute.combine import CombineParams
-    from kernels.cute.sparse_attn import SparseAttentionParams, num_splits
+    from kernels.cute.sparse_attn import SparseAttentionParams, num_splits, resident_ctas_per_sm
 
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size)
     topk = selected.shape[-1]
-    splits, per_split = num_splits(num_tokens, params, topk, CTAS_PER_SM * _num_sms(q.device.index or 0))
+    if splits is None:
+        splits, per_split = num_splits(num_tokens, params, topk, resident_ctas_per_sm(params) * _num_sms(q.device.index or 0))
+    else:
+        per_split = -(-topk // splits)
+        splits = -(-topk // per_split)
     inputs = (
         _cute(q.contiguous(), rows16=True),
         _cute(kv_cache, rows16=True),

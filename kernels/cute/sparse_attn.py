@@ -15,7 +15,7 @@ Keys past the request's length are zero-filled in shared memory, so stale cache 
 tests) never reach the MMAs.
 """
 
-import math
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -311,9 +311,33 @@ def compile_kernel(params: SparseAttentionParams):
     return cute.compile(SparseAttentionKernel(params), *fake_arguments(params))
 
 
-def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, target_ctas: int) -> tuple[int, int]:
-    """(splits, slots per split) so that tokens x heads x splits CTAs fill the GPU."""
+SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM; each resident CTA also takes 1 KB of it
+
+
+def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
+    """CTAs of this kernel one SM runs at once: bounded by shared memory (one warp each, few registers)."""
+    def aligned(nbytes: int) -> int:
+        return -(-nbytes // 1024) * 1024
+
+    q_tile = aligned(ROWS * params.head_dim * 2)
+    kv_ring = aligned(2 * params.tile_keys * params.head_dim * 2)  # two stages, bf16
+    return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + 1024)))
+
+
+@functools.cache
+def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, slots per split) for tokens x heads x splits CTAs that run in waves of resident_ctas.
+
+    Minimises waves x slots per split (the time of the last wave's CTAs); on a tie the fewer splits
+    (less partial output for combine.py). E.g. M3 decode at batch 32: 128 CTAs per split, 396
+    resident on an H200: 3 splits of 6 slots run in one wave, where 4 splits of 4 need two.
+    """
     ctas = num_tokens * params.num_index_heads * params.head_chunks
-    splits = max(1, min(topk, math.ceil(target_ctas / max(1, ctas))))
-    per_split = -(-topk // splits)
-    return -(-topk // per_split), per_split
+    best = None
+    for requested in range(1, min(topk, 64) + 1):
+        per_split = -(-topk // requested)
+        splits = -(-topk // per_split)
+        cost = -(-ctas * splits // resident_ctas) * per_split
+        if best is None or cost < best[0]:
+            best = (cost, splits, per_split)
+    return best[1], best[2]
