@@ -60,6 +60,8 @@ Environment:
 * ``MSA_CHECK_LENGTH``    1 (default): fail if usage.completion_tokens != max_tokens.
 * ``MSA_LONG_PROMPT_TOKENS`` soak profile: long prompt length in tokens (default 3000).
 * ``MSA_LONG_EVERY``      soak profile: one request in this many gets a long prompt (default 4).
+* ``MSA_TOO_LONG_PROMPT_TOKENS`` soak profile: length of the intended too-long prompt; must exceed
+                          the server's --max-model-len (default 100000).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ CHECK_LENGTH = _env_flag("MSA_CHECK_LENGTH", True)
 LONG_PROMPT_TOKENS = max(1, _env_int("MSA_LONG_PROMPT_TOKENS", 3000))
 LONG_EVERY = max(1, _env_int("MSA_LONG_EVERY", 4))
 CANCEL_AFTER_CHUNKS = 2
-TOO_LONG_PROMPT_IDS = 100_000  # token ids, longer than any context here
+TOO_LONG_PROMPT_IDS = max(1, _env_int("MSA_TOO_LONG_PROMPT_TOKENS", 100_000))  # token ids, past --max-model-len
 
 
 class _Shared:
