@@ -71,12 +71,17 @@ def sparse_attention(q, kv_cache, batch: PagedBatch, selected, shape: MSAShape, 
     return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out)
 
 
+def select_blocks(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
+    """Proxy scores, then top-k: the selected blocks [T, Hi, K] (batch: the proxy cache's block table)."""
+    scores = proxy_block_scores(index_q, proxy_cache, batch, shape)
+    return reference.select_blocks(scores, batch.positions, shape)
+
+
 def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float,
                   out=None, proxy_batch: PagedBatch | None = None):
     """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks).
 
     proxy_batch: the proxy cache's own block table when it differs from the K/V cache's.
     """
-    scores = proxy_block_scores(index_q, proxy_cache, proxy_batch or batch, shape)
-    selected = reference.select_blocks(scores, batch.positions, shape)
+    selected = select_blocks(index_q, proxy_cache, proxy_batch or batch, shape)
     return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected

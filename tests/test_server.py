@@ -27,6 +27,7 @@ import requests
 
 from loadtests.run_load import run as run_load_test
 from serve.build_demo_model import DEFAULT_CONFIG
+from vllm_msa.metrics import SAMPLE_EVERY
 
 pytestmark = pytest.mark.slow
 
@@ -246,9 +247,14 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     total = {series.split("{")[0]: v for series, v in delta.items()}
     fraction_read = total["vllm:msa_read_tokens_total"] / total["vllm:msa_context_tokens_total"]
     blocks_per_token = total["vllm:msa_selected_blocks_total"] / total["vllm:msa_selections_total"]
+    selection_s, attention_s = total["vllm:msa_selection_seconds_total"], total["vllm:msa_attention_seconds_total"]
     print(f"\nMSA metrics for a {prompt_len}+{max_tokens} token request: {blocks_per_token:.2f} selected blocks "
-          f"per token, {fraction_read:.3f} of the context read")
+          f"per token, {fraction_read:.3f} of the context read; proxy time share "
+          f"{selection_s / (selection_s + attention_s):.2f} over {total['vllm:msa_timed_layer_calls_total']:.0f} timed calls")
     assert 0.1 < fraction_read < 0.5 and 3.5 < blocks_per_token <= MSA["topk_blocks"]
+    layer_calls = NUM_MSA_LAYERS * (max_tokens + 1)  # at least one prefill step, then a step per decoded token
+    assert total["vllm:msa_timed_layer_calls_total"] >= layer_calls // SAMPLE_EVERY - 1
+    assert selection_s > 0 and attention_s > 0
 
 
 def _logged_selections(log_path: Path, label: str) -> dict[tuple[str, int], list[list[int]]]:

@@ -202,23 +202,24 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         attn_metadata: FlashMSAMetadata,
         proxy_metadata: FlashMSAMetadata,
         output: torch.Tensor,
+        clock: metrics.StageClock | None = None,
     ) -> torch.Tensor:
-        """One MSA layer: cache the new K/V and proxy keys, select blocks, attend. Returns the selection."""
+        """One MSA layer: cache the new K/V and proxy keys, select blocks, attend. Returns the selection.
+
+        clock: if given, marks the start, the end of the selection and the end of the attention.
+        """
         shape = self.msa_shape
         n = attn_metadata.num_actual_tokens
         self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
-        _, selected = ops.msa_attention(
-            query[:n],
-            index_query[:n],
-            kv_cache,
-            proxy_cache,
-            attn_metadata.batch,
-            shape,
-            self.scale,
-            out=output[:n],
-            proxy_batch=proxy_metadata.batch,
-        )
+        if clock is not None:
+            clock.mark()
+        selected = ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, shape)
+        if clock is not None:
+            clock.mark()
+        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, shape, self.scale, out=output[:n])
+        if clock is not None:
+            clock.mark()
         return selected
 
 

@@ -3,9 +3,9 @@
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
 layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
 (`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
-splits its piecewise CUDA graphs there; breakable graphs break there). Each step's
-selection feeds the sparse-layer metrics (metrics.py; the model's last MSA layer publishes them)
-and, for requests marked for it, the selection log (selection_log.py).
+splits its piecewise CUDA graphs there; breakable graphs break there). Each step's selection (and,
+sampled, its stage times) feeds the sparse-layer metrics (metrics.py; the model's last MSA layer
+publishes them) and, for requests marked for it, the selection log (selection_log.py).
 """
 
 import torch
@@ -90,6 +90,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             return
         s = self.shape
         metadata = attn_metadata[self.layer_name]
+        stats = metrics.step_stats(q.device, self.model_name)
         selected = self.impl.forward_msa(
             q.view(-1, s.num_q_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),
@@ -101,9 +102,9 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             metadata,
             attn_metadata[self.proxy_cache.prefix],
             output.view(-1, s.num_q_heads, s.head_dim),
+            clock=stats.clock(),
         )
         batch = metadata.batch
-        stats = metrics.step_stats(selected.device, self.model_name)
         stats.record(selected, batch.positions, s.block_size)
         if self.publishes_metrics:
             stats.publish()

@@ -13,14 +13,20 @@ memory-mapped file there; the collector sums the files of live workers when /met
     vllm:msa_context_tokens_total   visible context tokens (position + 1) of those selections
     vllm:msa_read_tokens_total      context tokens those selections let attention read
     vllm:msa_read_fraction          histogram, per selection: read tokens / context tokens
+    vllm:msa_timed_layer_calls_total   MSA layer calls timed (one in SAMPLE_EVERY, eager calls only)
+    vllm:msa_selection_seconds_total   their proxy scores + top-k time
+    vllm:msa_attention_seconds_total   their sparse attention time
 
 Mean selected blocks per token = selected_blocks / selections; fraction of context read =
-read_tokens / context_tokens.
+read_tokens / context_tokens; proxy time share = selection_seconds / (selection_seconds +
+attention_seconds). Timing uses CUDA events read back once the GPU has passed them (no sync; calls
+replayed from a CUDA graph are not timed), or the host clock on CPU.
 
 Cost: per MSA layer and step about a dozen small tensor ops on the [T, Hi, K] selection, on its
-device and without a host sync (so a CUDA graph records them; its padding tokens count nothing) (on a 2-core CPU: 64 us for an 8-token decode step, 0.3 ms for a
-2048-token chunk); once per step (after the last MSA layer) the totals, 13 float64,
-are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
+device and without a host sync, so a CUDA graph records them (its padding tokens count nothing);
+on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token chunk. Once per step
+(after the last MSA layer) the 13 device totals and 3 timing totals (float64) are copied into the
+file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
 reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
 """
@@ -31,6 +37,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,22 +54,69 @@ COUNTERS = {
     "read_tokens": "Context tokens the selections let attention read; divided by "
     "vllm:msa_context_tokens_total: fraction of context read.",
 }
-# File layout (float64): the counters, the read-fraction sum, one count per bucket plus +Inf.
-FIELDS = (*COUNTERS, "read_fraction_sum", *(f"read_fraction_le_{b}" for b in READ_FRACTION_BUCKETS), "read_fraction_inf")
+TIMING = {
+    "timed_layer_calls": "FLASH_MSA layer calls timed (one in SAMPLE_EVERY eager calls).",
+    "selection_seconds": "Proxy scores + top-k time of the timed calls; divided by it plus "
+    "vllm:msa_attention_seconds_total: the proxy time share.",
+    "attention_seconds": "Sparse attention time of the timed calls.",
+}
+SAMPLE_EVERY = 16
+# File layout (float64): the counters, the read-fraction sum, one count per bucket plus +Inf (the
+# device totals), then the timing (host totals).
+HISTOGRAM = ("read_fraction_sum", *(f"read_fraction_le_{b}" for b in READ_FRACTION_BUCKETS), "read_fraction_inf")
+FIELDS = (*COUNTERS, *HISTOGRAM, *TIMING)
+DEVICE_FIELDS = len(COUNTERS) + len(HISTOGRAM)
 HEADER_BYTES = 4096  # JSON header, space padded; the values follow
 FILE_SUFFIX = ".msa-metrics"
 
 
+class StageClock:
+    """Marks in one MSA layer call: start, selection done, attention done (CUDA events or host clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> tuple[float, float] | None:
+        """(selection, attention) seconds once the device has passed the last mark, else None."""
+        if len(self.marks) < 3 or (self.on_cuda and not self.marks[2].query()):
+            return None
+        start, selected, attended = self.marks
+        if self.on_cuda:
+            return start.elapsed_time(selected) / 1e3, selected.elapsed_time(attended) / 1e3
+        return selected - start, attended - selected
+
+
 class StepStats:
-    """One worker process's running totals, on the model's device, and their file."""
+    """One worker process's running totals (selections on the model's device, timing on the host) and their file."""
 
     def __init__(self, device: torch.device, model_name: str) -> None:
-        self.totals = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+        self.device = device
+        self.totals = torch.zeros(DEVICE_FIELDS, dtype=torch.float64, device=device)
         self.bounds = torch.tensor(READ_FRACTION_BUCKETS, dtype=torch.float64, device=device)
         self.file_values = _create_file(model_name)
         on_cpu = device.type == "cpu"
-        self.staging = None if on_cpu else torch.empty(len(FIELDS), dtype=torch.float64, pin_memory=True)
+        self.staging = None if on_cpu else torch.empty(DEVICE_FIELDS, dtype=torch.float64, pin_memory=True)
         self.copied: torch.Event | None = None
+        self.calls = 0
+        self.clocks: list[StageClock] = []  # timed calls not yet read back
+        self.timing = np.zeros(len(TIMING))
+
+    def clock(self) -> StageClock | None:
+        """A StageClock for this layer call if it is sampled (one in SAMPLE_EVERY, never in graph capture)."""
+        self.calls += 1
+        if self.calls % SAMPLE_EVERY or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
+            return None
+        self.clocks.append(StageClock(self.device))
+        return self.clocks[-1]
 
     def record(self, selected: torch.Tensor, positions: torch.Tensor, block_size: int) -> None:
         """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens."""
@@ -85,16 +139,28 @@ class StepStats:
     def publish(self) -> None:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
             return
+        self._read_clocks()
+        self.file_values[DEVICE_FIELDS:] = torch.from_numpy(self.timing)
         if self.staging is None:
-            self.file_values.copy_(self.totals)
+            self.file_values[:DEVICE_FIELDS].copy_(self.totals)
             return
         if self.copied is not None and self.copied.query():
-            self.file_values.copy_(self.staging)
+            self.file_values[:DEVICE_FIELDS].copy_(self.staging)
             self.copied = None
         if self.copied is None:
             self.staging.copy_(self.totals, non_blocking=True)
             self.copied = torch.Event(self.totals.device)
             self.copied.record()
+
+    def _read_clocks(self) -> None:
+        pending = []
+        for clock in self.clocks:
+            seconds = clock.seconds()
+            if seconds is None:
+                pending.append(clock)
+            else:
+                self.timing += (1.0, *seconds)
+        self.clocks = pending
 
 
 def _create_file(model_name: str) -> torch.Tensor | None:
@@ -149,16 +215,17 @@ class MSACollector:
         self.directory = directory
 
     def collect(self):
-        counters = {name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"]) for name, doc in COUNTERS.items()}
+        counters = {name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"])
+                    for name, doc in (COUNTERS | TIMING).items()}
         fraction = HistogramMetricFamily(
             "vllm:msa_read_fraction",
             "Per FLASH_MSA selection: context tokens read / visible context tokens.",
             labels=["model_name"],
         )
         for model_name, values in sorted(read_totals(self.directory).items()):
-            for i, family in enumerate(counters.values()):
-                family.add_metric([model_name], float(values[i]))
-            cumulative = np.cumsum(values[len(COUNTERS) + 1 :])
+            for name, family in counters.items():
+                family.add_metric([model_name], float(values[FIELDS.index(name)]))
+            cumulative = np.cumsum(values[len(COUNTERS) + 1 : DEVICE_FIELDS])
             bounds = [str(b) for b in READ_FRACTION_BUCKETS] + ["+Inf"]
             fraction.add_metric(
                 [model_name], list(zip(bounds, cumulative.tolist())), sum_value=float(values[len(COUNTERS)])
