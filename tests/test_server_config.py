@@ -32,6 +32,10 @@ BAD_CONFIGS = {
         ["--block-size", "64", *_hf_overrides(block_size=64)],
         "msa_config.block_size 64 is not served",
     ),
+    "an fp8 KV cache": (
+        ["--kv-cache-dtype", "fp8"],
+        "--kv-cache-dtype fp8 is not served",
+    ),
     "FlashMSAForCausalLM without msa_config": (
         ["--hf-overrides", json.dumps({"msa_config": None})],
         "this checkpoint has no 'msa_config' in config.json",

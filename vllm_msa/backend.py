@@ -27,6 +27,7 @@ import torch
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
 from vllm_msa import metrics
+from vllm_msa.config import SERVED_CACHE_DTYPES
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -43,6 +44,7 @@ BACKEND_NAME = "FLASH_MSA"
 
 class FlashMSABackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SERVED_CACHE_DTYPES)
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod

@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values FLASH_MSA serves: no fp8
 M3_SPARSE_CONFIG = "sparse_attention_config"
 
 
@@ -166,6 +167,11 @@ def _check_cache_and_parallelism(vllm_config, msa: MSAModelConfig) -> None:
         raise MSAConfigError(
             f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
             f"{msa.block_size} (its msa_config.block_size), not {cache.block_size}"
+        )
+    if cache.cache_dtype not in SERVED_CACHE_DTYPES:
+        raise MSAConfigError(
+            f"FLASH_MSA keeps K/V and proxy keys in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not "
+            f"served; leave it out (or use one of {list(SERVED_CACHE_DTYPES)})"
         )
     cache.block_size = msa.block_size
     cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it
