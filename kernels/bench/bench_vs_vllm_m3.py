@@ -1,0 +1,534 @@
+"""Benchmark: this project's MSA layer against vLLM 0.26's own MiniMax-M3 Triton sparse path and dense
+FlashAttention, side by side on one GPU in one run, at MiniMax-M3's attention shapes, with both sparse
+paths' outputs checked against each other on every shape.
+
+    # GPU machine, vLLM staged as serve/gpu/README.md describes:
+    source serve/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    # CPU check of the setup and the agreement checks (tiny shapes, no timing):
+    .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
+
+This file owns the comparison with vLLM's M3 ops; bench_sparse_attention.py owns ours against dense alone.
+Shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, top-16 of 128-token blocks, the query's own block
+forced (L 1, I 0), bf16; decode batch 1/8/32 at 8K/32K/128K, prefill of one whole 8K/32K/128K prompt.
+Each shape is one random paged problem (shuffled pages, NaN in every cache slot no request owns) that
+every side reads:
+
+  ours   kernels.ops.msa_attention (CuTeDSL proxy scores, torch top-k, CuTeDSL sparse attention on
+         Hopper); parts: index = ops.proxy_block_scores + reference.select_blocks, attention =
+         ops.sparse_attention.
+  vLLM   the Triton ops that vLLM's MiniMaxM3SparseAttention runs off Blackwell
+         (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl), called as those impls call them:
+           decode   common/ops/index_topk.minimax_m3_index_decode -> sparse_attn.minimax_m3_sparse_attn_decode
+           prefill  index_topk.minimax_m3_index_score + minimax_m3_index_topk -> sparse_attn.minimax_m3_sparse_attn
+         on M3's cache layouts filled from the same pages: K/V [pages, Hkv, 128, 2D] (K = [..., :D],
+         V = [..., D:]) over vLLM's default NHD storage [pages, 128, Hkv, 2D]; index keys [pages, 128, Dp].
+         Selections in the kernels' [Hi, tokens, K] layout. (vLLM's impls pass the model's token-major
+         topk_indices_buffer [tokens, Hi, K] instead, which the kernels index as [Hi, tokens, K], so
+         rows of different (token, head) pairs alias once tokens > Hi: fed that way, --smoke's decode
+         1000 x 3 (Hi 2) agreed on 0.83 of the selections, output cosine 0.89. Not reproduced here: it
+         changes which blocks are read, not how many.)
+  dense  vLLM's FlashAttention (vllm.vllm_flash_attn.flash_attn_varlen_func, FA3 on Hopper) on paged
+         K and V [pages, 128, Hkv, D] with the same block table, causal; torch SDPA on contiguous K/V
+         where vllm_flash_attn is not importable (the SDPA backend is named).
+
+Timing (kernels/bench/timing.py): decode in CUDA graphs for every side (host overhead removed), the
+eager layer time in brackets (vLLM runs M3's sparse attention eagerly, outside its graphs, as FLASH_MSA
+runs MSA); a shape whose capture fails is timed eagerly and says so. Prefill eagerly on every side (our
+prefill proxy pass builds its tile list on the host). Ratios are time ours / time theirs (< 1: ours
+faster). Decode GB/s counts the bytes the step must read (proxy keys of the whole context + K/V of the
+selected blocks; dense: all K/V), prefill TFLOP/s the FLOPs it must do (proxy: 2 Hi Dp per token and
+visible key, whole blocks; sparse attention: 4 D per query head and selected key, whole blocks; dense:
+4 Hq D per causal query-key pair), against the copy bandwidth and bf16 matmul rate measured in the run.
+
+Checks per shape, ours against vLLM: cosine of the whole layer output >= 0.99 and top-k agreement (the
+fraction of (token, index head) whose selected block sets are identical) >= 0.99. A failing shape is
+printed as MISMATCH when found, listed at the end and in the markdown, and the exit status is 1.
+
+--smoke: tiny shapes (Hq 8, Hkv = Hi 2, top-2, contexts that end mid-page) on the CPU: ours runs the
+PyTorch reference (kernels.ops dispatches there off-GPU), vLLM's Triton kernels run in Triton's
+interpreter (TRITON_INTERPRET=1) on float32 copies of the same bf16 values (the interpreter misreads
+bf16), dense runs torch SDPA; the checks run, the timings do not (the table shows "-"). About 1.5 min
+on 2 CPU cores (the interpreter's top-k takes ~0.1 s per token and head), so not in the test suite.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import ops, reference
+from kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
+from kernels.bench.timing import ceilings, graph_timed, timed
+from kernels.shapes import MSAShape, PagedBatch
+from kernels.testing import PagedCase
+
+M3 = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+              index_head_dim=128, topk_blocks=16, local_blocks=1, init_blocks=0, block_size=128)
+SMOKE = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
+                 index_head_dim=128, topk_blocks=2, local_blocks=1, init_blocks=0, block_size=128)
+MIN_COSINE = MIN_TOPK_AGREEMENT = 0.99
+PREFILL_ITERS = 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: MSAShape
+    decode_contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    device: str
+
+
+FULL = Plan(M3, (8192, 32768, 131072), (1, 8, 32), (8192, 32768, 131072), "cuda")
+SMOKE_PLAN = Plan(SMOKE, (300, 1000), (1, 3), (300,), "cpu")  # prefill: the interpreter's top-k is ~0.1 s a token
+
+
+@dataclass
+class Row:
+    """One shape's results; times in seconds per call ("ours index", ..., "dense"; empty in --smoke)."""
+
+    phase: str  # "decode" or "prefill"
+    context: int
+    batch: int
+    dense_name: str
+    cosine: float
+    min_token_cosine: float
+    topk_agreement: float
+    work: dict  # "index", "attention", "layer", "dense": bytes (decode) or FLOPs (prefill)
+    mode: str = "-"
+    times: dict = field(default_factory=dict)
+    eager_layer: dict = field(default_factory=dict)  # decode: side -> eager layer time
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase} {self.context} x {self.batch}"
+
+    def problems(self) -> list[str]:
+        bad = []
+        if not self.cosine >= MIN_COSINE:  # also catches NaN
+            bad.append(f"output cosine {self.cosine:.4f} < {MIN_COSINE}")
+        if not self.topk_agreement >= MIN_TOPK_AGREEMENT:
+            bad.append(f"top-k agreement {self.topk_agreement:.4f} < {MIN_TOPK_AGREEMENT}")
+        return bad
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def require_environment(smoke: bool) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.26 (on the GPU machine: "
+                         "source serve/gpu/install_vllm.sh, see serve/gpu/README.md)")
+    if smoke:
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_vs_vllm_m3: no CUDA device: run it on the GPU machine, or --smoke for the CPU check")
+    probe = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    if not (ops.uses_cute_proxy_scores(probe, M3) and ops.uses_cute_sparse_attention(probe, M3)):
+        raise SystemExit(f"bench_vs_vllm_m3: ours would not run its CuTeDSL kernels here "
+                         f"({ops.describe(probe.device, probe.dtype, M3)}): an sm_90 GPU with CuTeDSL is needed")
+
+
+def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: str, seed: int = 0) -> PagedCase:
+    """`batch` requests of `context` tokens whose last `q_len` are queries, as kernels.testing.make_case
+    builds them (shuffled pages, NaN in every slot no request owns, bf16), generated on the device:
+    make_case fills page by page on the host, minutes at 128K x 32."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    b, blocks = shape.block_size, -(-context // shape.block_size)
+    num_pages = batch * blocks + 1  # one page no request owns
+
+    def randn(*size):
+        return torch.randn(size, generator=g, device=device, dtype=torch.bfloat16)
+
+    table = torch.randperm(num_pages, generator=g, device=device)[: batch * blocks].view(batch, blocks).int()
+    owned = torch.zeros(num_pages, b, dtype=torch.bool, device=device)
+    owned[table.long()] = (torch.arange(blocks * b, device=device) < context).view(blocks, b)
+    kv = randn(num_pages, 2, b, shape.num_kv_heads, shape.head_dim)
+    kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
+    proxy = randn(num_pages, b, shape.num_index_key_heads, shape.index_head_dim)
+    proxy.masked_fill_(~owned[:, :, None, None], float("nan"))
+    tokens = batch * q_len
+    paged = PagedBatch(query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device),
+                       seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device), block_table=table)
+    return PagedCase(shape=shape, batch=paged, q=randn(tokens, shape.num_q_heads, shape.head_dim),
+                     index_q=randn(tokens, shape.num_index_heads, shape.index_head_dim), kv_cache=kv,
+                     proxy_cache=proxy, scale=shape.head_dim**-0.5)
+
+
+# -------------------------------------------------------------------------------------------- sides
+
+
+@dataclass
+class Steps:
+    """One side's layer as callables: index() -> selection, attention(selection) -> output, layer() -> output."""
+
+    index: Callable[[], torch.Tensor]
+    attention: Callable[[torch.Tensor], torch.Tensor]
+    layer: Callable[[], torch.Tensor]
+
+
+def our_steps(case: PagedCase) -> Steps:
+    shape, batch = case.shape, case.batch
+
+    def index():
+        scores = ops.proxy_block_scores(case.index_q, case.proxy_cache, batch, shape)
+        return reference.select_blocks(scores, batch.positions, shape)
+
+    def attention(selected):
+        return ops.sparse_attention(case.q, case.kv_cache, batch, selected, shape, case.scale)
+
+    def layer():
+        return ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, batch, shape, case.scale)[0]
+
+    return Steps(index, attention, layer)
+
+
+@cache
+def vllm_m3_ops(interpret: bool):
+    """vLLM's M3 Triton op modules (common/ops/index_topk.py, sparse_attn.py).
+
+    interpret (--smoke): Triton's interpreter on the CPU. vLLM disables Triton without a GPU and its
+    M3 package imports CUDA-only code, so the two files are loaded on their own with real Triton, as
+    tests/test_minimax_m3.py does, each autotuned kernel keeping one config (the interpreter cannot
+    benchmark).
+    """
+    if not interpret:
+        from vllm.models.minimax_m3.common.ops import index_topk, sparse_attn
+
+        return index_topk, sparse_attn
+    import triton
+    import vllm
+    import vllm.triton_utils
+
+    vllm.triton_utils.triton, vllm.triton_utils.tl = triton, triton.language
+    modules = []
+    for name in ("index_topk", "sparse_attn"):
+        path = Path(vllm.__file__).parent / "models/minimax_m3/common/ops" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"vllm_m3_{name}_interpreted", path)
+        modules.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(modules[-1])
+    for kernel in (modules[0]._topk_index_kernel, modules[0]._topk_index_partial_kernel):
+        kernel.fn.configs = [min(kernel.fn.configs, key=lambda c: c.kwargs["BLOCK_SIZE_K"])]
+    return tuple(modules)
+
+
+def vllm_caches(case: PagedCase, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """M3's main K/V cache (logical [pages, Hkv, B, 2D] over NHD storage [pages, B, Hkv, 2D], as
+    MiniMaxM3SparseBackend's shape and stride order give it) and index-key cache [pages, B, Dp]."""
+    storage = torch.cat([case.kv_cache[:, 0], case.kv_cache[:, 1]], dim=-1).to(dtype)
+    return storage.permute(0, 2, 1, 3), case.proxy_cache[:, :, 0].to(dtype)
+
+
+def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
+    """vLLM's M3 Triton path as MiniMaxM3IndexerTritonImpl and MiniMaxM3SparseTritonImpl run it."""
+    index_topk, sparse_attn = vllm_m3_ops(interpret)
+    shape, batch = case.shape, case.batch
+    assert shape.num_index_heads == shape.num_kv_heads and shape.num_index_key_heads == 1, "M3's index layout"
+    dtype = torch.float32 if interpret else case.q.dtype
+    q, index_q = case.q.to(dtype), case.index_q.to(dtype)
+    kv_cache, index_cache = vllm_caches(case, dtype)
+    seq_lens, table, hkv = batch.seq_lens, batch.block_table, shape.num_kv_heads
+    max_seq_len = max(batch.seq_lens_cpu)
+    q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
+    k, init, local = shape.topk_blocks, shape.init_blocks, shape.local_blocks
+    if max(q_lens) == 1:  # vLLM's decode split (reorder threshold 1): every request is a decode
+
+        def index():
+            return index_topk.minimax_m3_index_decode(index_q, index_cache, table, seq_lens, max_seq_len, k, init,
+                                                      local, hkv, 1, 1)
+
+        def attention(topk):
+            out = torch.empty_like(q)
+            sparse_attn.minimax_m3_sparse_attn_decode(q, kv_cache, topk, table, seq_lens, hkv, case.scale, out, 1)
+            return out
+
+    else:
+        cu_seqlens_q = batch.query_start_loc
+        context_lens = seq_lens - torch.tensor(q_lens, dtype=torch.int32, device=seq_lens.device)
+
+        def index():
+            score = index_topk.minimax_m3_index_score(index_q, index_cache, table, cu_seqlens_q, seq_lens,
+                                                      context_lens, max(q_lens), max_seq_len, hkv)
+            return index_topk.minimax_m3_index_topk(score, cu_seqlens_q, context_lens, max(q_lens), k, init, local)
+
+        def attention(topk):
+            out = torch.empty_like(q)
+            sparse_attn.minimax_m3_sparse_attn(q, kv_cache, topk, table, cu_seqlens_q, seq_lens, context_lens,
+                                               max(q_lens), hkv, case.scale, out)
+            return out
+
+    return Steps(index, attention, lambda: attention(index()))
+
+
+@cache
+def flash_attn():
+    """(flash_attn_varlen_func, FA version) of vllm.vllm_flash_attn, or None where it is not importable."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as error:
+        print(f"vllm.vllm_flash_attn is not importable ({error}): dense = torch SDPA", flush=True)
+        return None
+    return flash_attn_varlen_func, get_flash_attn_version()
+
+
+def dense_steps(case: PagedCase) -> tuple[str, Callable[[], torch.Tensor]]:
+    """Dense causal attention over the same K/V: vLLM's FlashAttention on paged K and V, else torch SDPA."""
+    batch, shape = case.batch, case.shape
+    if flash_attn() is None:
+        keys, values = zip(*(case.request_tokens(r)[:2] for r in range(batch.num_requests)))
+        k, v = (torch.stack(t).transpose(1, 2) for t in (keys, values))  # [R, Hkv, N, D]
+        q = case.q.view(batch.num_requests, -1, shape.num_q_heads, shape.head_dim).transpose(1, 2)
+        name, run = sdpa_attention(q, k, v)
+        return f"SDPA {name}", run
+    func, version = flash_attn()
+    k_cache, v_cache = case.kv_cache[:, 0].contiguous(), case.kv_cache[:, 1].contiguous()
+    max_q = max(e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:]))
+    out = torch.empty_like(case.q)
+
+    def run():
+        return func(case.q, k_cache, v_cache, max_seqlen_q=max_q, cu_seqlens_q=batch.query_start_loc,
+                    max_seqlen_k=max(batch.seq_lens_cpu), seqused_k=batch.seq_lens, softmax_scale=case.scale,
+                    causal=True, block_table=batch.block_table, out=out, fa_version=version)
+
+    return f"FA{version}", run
+
+
+# ------------------------------------------------------------------------------------ checks, work
+
+
+def topk_agreement(ours: torch.Tensor, vllms: torch.Tensor, num_blocks: int) -> float:
+    """Fraction of (token, index head) with the same selected block set; ours [T, Hi, K], vLLM's [Hi, T, K]."""
+
+    def canonical(selection):
+        return torch.where(selection < 0, num_blocks, selection.long()).sort(-1).values
+
+    same = (canonical(ours) == canonical(vllms.permute(1, 0, 2))).all(-1)
+    return same.float().mean().item()
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Cosine similarity of the whole outputs and the lowest of any token's."""
+    a, b = a.float().flatten(1), b.float().flatten(1)
+    whole = F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    return whole, F.cosine_similarity(a, b, dim=1).min().item()
+
+
+def work(case: PagedCase, selected: torch.Tensor, decode: bool) -> dict:
+    """Bytes a decode step must read, or FLOPs a prefill must do, per part (see the module docstring)."""
+    shape, batch = case.shape, case.batch
+    positions = batch.positions
+    blocks_read = (selected >= 0).sum().item()  # (token, index head, selected block) triples
+    if decode:
+        element = case.kv_cache.element_size()
+        index = sum(batch.seq_lens_cpu) * shape.num_index_key_heads * shape.index_head_dim * element
+        attention = blocks_read * shape.block_size * shape.head_dim * 2 * element
+        dense = sum(batch.seq_lens_cpu) * shape.num_kv_heads * shape.head_dim * 2 * element
+    else:
+        visible = (torch.div(positions, shape.block_size, rounding_mode="floor") + 1).sum().item() * shape.block_size
+        index = 2 * shape.num_index_heads * shape.index_head_dim * visible
+        attention = 4 * shape.head_dim * shape.heads_per_index_head * shape.block_size * blocks_read
+        dense = 4 * shape.num_q_heads * shape.head_dim * (positions + 1).sum().item()
+    return {"index": index, "attention": attention, "layer": index + attention, "dense": dense}
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def time_steps(calls: dict, graph: bool, iters: int) -> tuple[dict, str]:
+    """Seconds per call of each callable: all in CUDA graphs, or (graph False or a capture failing) all eager."""
+    if graph:
+        try:
+            return {name: graph_timed(fn) for name, fn in calls.items()}, "CUDA graph"
+        except RuntimeError as error:
+            torch.cuda.synchronize()
+            print(f"!!! CUDA graph capture failed ({type(error).__name__}: {error}); timing this shape eagerly",
+                  flush=True)
+    return {name: timed(fn, iters=iters) for name, fn in calls.items()}, "eager"
+
+
+def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool) -> Row:
+    decode = phase == "decode"
+    case = random_case(plan.shape, batch, context, 1 if decode else context, plan.device)
+    ours, vllms = our_steps(case), vllm_steps(case, interpret=smoke)
+    dense_name, dense = dense_steps(case)
+    our_selection, their_selection = ours.index(), vllms.index()
+    our_out, their_out = ours.layer(), vllms.attention(their_selection)  # vLLM's layer, its index run once
+    cosine, min_token_cosine = cosines(our_out, their_out)
+    row = Row(phase, context, batch, dense_name, cosine, min_token_cosine,
+              topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1]),
+              work(case, our_selection, decode))
+    for problem in row.problems():
+        print(f"!!! MISMATCH {row.label}: {problem}", flush=True)
+    if smoke:
+        return row
+    calls = {f"{side} {part}": fn for side, steps, selection in (("ours", ours, our_selection),
+                                                                 ("vLLM", vllms, their_selection))
+             for part, fn in (("index", steps.index), ("attention", lambda s=steps, t=selection: s.attention(t)),
+                              ("layer", steps.layer))}
+    calls["dense"] = dense
+    row.times, row.mode = time_steps(calls, graph=decode, iters=10 if decode else PREFILL_ITERS)
+    if decode:
+        row.eager_layer = {side: timed(steps.layer) for side, steps in (("ours", ours), ("vLLM", vllms))}
+    return row
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def fmt_time(row: Row, key: str) -> str:
+    t = row.times.get(key)
+    if t is None:
+        return "-"
+    scale = 1e6 if row.phase == "decode" else 1e3
+    eager = row.eager_layer.get(key.split()[0]) if key.endswith("layer") else None
+    return f"{t * scale:.1f}" + (f" ({eager * scale:.0f})" if eager else "")
+
+
+def fmt_ratio(row: Row, a: str, b: str) -> str:
+    return f"{row.times[a] / row.times[b]:.2f}" if row.times else "-"
+
+
+def fmt_rate(row: Row, key: str, ceiling: dict | None) -> str:
+    """Achieved GB/s (decode) or TFLOP/s (prefill) of one timed call and its share of the run's ceiling."""
+    if not row.times:
+        return "-"
+    part = key.split()[-1]
+    rate = row.work[part] / row.times[key]
+    if row.phase == "decode":
+        return f"{rate / 1e9:.0f} ({100 * rate / ceiling['bw']:.0f}%)"
+    return f"{rate / 1e12:.0f} ({100 * rate / ceiling['flops']:.0f}%)"
+
+
+TIMED = ("ours layer", "ours index", "ours attention", "vLLM layer", "vLLM index", "vLLM attention")
+
+
+def time_columns(phase: str) -> list:
+    unit = "us" if phase == "decode" else "ms"
+    return [
+        ("context", lambda r: str(r.context)), ("batch", lambda r: str(r.batch)), ("timing", lambda r: r.mode),
+        *((f"{key} {unit}" + (" (eager)" if phase == "decode" and key.endswith("layer") else ""),
+           lambda r, key=key: fmt_time(r, key)) for key in TIMED),
+        (f"dense {unit}", lambda r: f"{fmt_time(r, 'dense')} {r.dense_name}"),
+        *((f"ours/{theirs}", lambda r, ours=ours, theirs=theirs: fmt_ratio(r, ours, theirs))
+          for ours, theirs in (("ours layer", "vLLM layer"), ("ours index", "vLLM index"),
+                               ("ours attention", "vLLM attention"), ("ours layer", "dense"))),
+    ]
+
+
+def rate_columns(phase: str, ceiling: dict | None) -> list:
+    rate = "GB/s (% copy bw)" if phase == "decode" else "TFLOP/s (% matmul)"
+    return [
+        ("context", lambda r: str(r.context)), ("batch", lambda r: str(r.batch)),
+        *((f"{key} {rate}", lambda r, key=key: fmt_rate(r, key, ceiling)) for key in (*TIMED, "dense")),
+        ("cosine (min token)", lambda r: f"{r.cosine:.5f} ({r.min_token_cosine:.4f})"),
+        ("top-k agreement", lambda r: f"{r.topk_agreement:.4f}"),
+        ("check", lambda r: "MISMATCH" if r.problems() else "ok"),
+    ]
+
+
+def table(rows: list[Row], columns: list) -> str:
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows])
+
+
+def report(rows: list[Row], header: str, ceiling: dict | None) -> str:
+    parts = [header]
+    for phase, what in (("decode", "one query token per sequence"), ("prefill", "one request, whole prompt, causal")):
+        group = [r for r in rows if r.phase == phase]
+        parts += [f"\n## {phase} ({what}): time per layer, ratios of times\n", table(group, time_columns(phase)),
+                  f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
+                  table(group, rate_columns(phase, ceiling))]
+    bad = [f"- {r.label}: {'; '.join(r.problems())}" for r in rows if r.problems()]
+    parts += ["\n## MISMATCHES: ours and vLLM disagree\n", *bad] if bad else ["\nours and vLLM agree on every shape."]
+    return "\n".join(parts) + "\n"
+
+
+def plot(rows: list[Row], out: Path) -> list[Path]:
+    """One figure per context: layer time of ours, vLLM's Triton path and dense, decode per batch and prefill."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots", flush=True)
+        return []
+    sides = (("ours layer", "ours (FLASH_MSA)"), ("vLLM layer", "vLLM M3 Triton"), ("dense", "dense"))
+    paths = []
+    for context in sorted({r.context for r in rows if r.times}):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 1]})
+        for ax, phase, scale, unit in ((axes[0], "decode", 1e6, "us"), (axes[1], "prefill", 1e3, "ms")):
+            group = [r for r in rows if r.context == context and r.phase == phase and r.times]
+            width = 0.8 / len(sides)
+            for i, (key, label) in enumerate(sides):
+                ax.bar([x + i * width for x in range(len(group))], [r.times[key] * scale for r in group], width,
+                       label=label)
+            ax.set_xticks([x + width for x in range(len(group))],
+                          [f"batch {r.batch}" if phase == "decode" else f"{context} tokens" for r in group])
+            ax.set_ylabel(f"{unit} per layer" + (" (log)" if phase == "decode" else ""))
+            ax.set_yscale("log" if phase == "decode" else "linear")  # decode spans batch 1 .. 32
+            ax.set_title(f"{phase} ({group[0].mode})" if group else phase)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(sides))
+        fig.suptitle(f"MiniMax-M3 attention layer, context {context}")
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        paths.append(out / f"vs_vllm_m3_{context}.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: setup and checks, no timing")
+    parser.add_argument("--out", type=Path, help="directory for the markdown report and the plots")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported (by vLLM, below)
+    require_environment(args.smoke)
+    plan = SMOKE_PLAN if args.smoke else FULL
+    versions = f"vLLM {importlib.metadata.version('vllm')}, torch {torch.__version__}"
+    if args.smoke:
+        ceiling = None
+        header = f"# ours vs vLLM M3 Triton vs dense: --smoke (CPU, Triton interpreter, not timed; {versions})"
+    else:
+        bw, flops = ceilings()
+        ceiling = {"bw": bw, "flops": flops}
+        header = (f"# ours vs vLLM M3 Triton vs dense on {torch.cuda.get_device_name()} ({versions})\n\n"
+                  f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+                  f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3)}.\n"
+                  "Decode: time per layer in CUDA graphs, the eager layer time in brackets; prefill: eager. "
+                  "Ratios: time ours / time theirs (< 1: ours faster). Shapes and counting: the module docstring "
+                  "of kernels/bench/bench_vs_vllm_m3.py.")
+    print(header, flush=True)
+    rows = []
+    for phase, contexts, batches in (("decode", plan.decode_contexts, plan.decode_batches),
+                                     ("prefill", plan.prefill_contexts, (1,))):
+        for context in contexts:
+            for batch in batches:
+                rows.append(run_shape(plan, phase, context, batch, args.smoke))
+                print(f"done: {rows[-1].label} ({'MISMATCH' if rows[-1].problems() else 'agree'})", flush=True)
+    text = report(rows, header, ceiling)
+    print("\n" + text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_vs_vllm_m3.md").write_text(text)
+        print(f"report: {args.out / 'bench_vs_vllm_m3.md'}")
+        for path in plot(rows, args.out):
+            print(f"plot: {path}")
+    bad = [r.label for r in rows if r.problems()]
+    if bad:
+        print(f"!!! MISMATCH: ours and vLLM disagree on {len(bad)} shape(s): {', '.join(bad)}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
