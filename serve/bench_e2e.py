@@ -1,36 +1,104 @@
 """End-to-end serving benchmark: one checkpoint served several ways, `vllm bench serve` against each.
 
-For every server configuration it starts the real `vllm serve MODEL_DIR <config args>` on 127.0.0.1,
-waits for /health, runs `vllm bench serve` (random dataset, fixed input and output lengths, bounded
-concurrency) once per input length, stops the server, and prints TTFT, TPOT and output throughput
-with each configuration's TPOT ratio to the first, and a bar chart per input length (matplotlib).
-Raw results (vllm bench JSON), summary.md, the plots and the server logs go to --out.
+Owns the serving comparison of issue 4. Each server configuration is the real `vllm serve MODEL_DIR
+<config args> <extra args>` on 127.0.0.1, sized for the load (--max-num-seqs = --concurrency: few
+CUDA graphs to capture) and without prefix caching (the warm-up requests repeat the first prompt).
+Once /health answers, `vllm bench serve` (random dataset, fixed input and output lengths,
+--ignore-eos, bounded concurrency, --warmups requests first so kernel compilation and autotuning
+stay out of the numbers) runs once per input length, then the server stops.
+
+By default the servers run one after another, each with --gpu-memory-utilization. With
+--parallel-start all of them start at once on ports --port, --port+1, ..., each with an equal share
+(--gpu-memory-utilization / N), so their start-up costs overlap; once every server is healthy or has
+failed, they are benchmarked one after another. Progress (server, input length) is printed as it
+goes; a server that fails to start, dies, or whose benchmark fails is reported with its log tail,
+and the other servers are still measured.
+
+--out gets summary.md (TTFT, TPOT and output throughput per input length and configuration, with
+the first configuration's TTFT and TPOT divided by each one's), one SVG bar chart per input length
+(e2e-LEN.svg), the raw `vllm bench` JSON, and the server and bench logs.
+
+Default configurations, by the checkpoint's architecture (--config NAME='ARGS' replaces them):
+- FlashMSAForCausalLM: `FLASH_MSA`; `dense`: the same weights with every layer dense
+  (msa_config.dense_layers = all layers) on --dense-backend.
+- MiniMax-M3 (MiniMaxM3SparseFor{CausalLM,ConditionalGeneration}), all with --block-size 128 (one
+  sparse block per KV page, the only page size vLLM's M3 sparse backend serves):
+  `FLASH_MSA`: `--attention-backend FLASH_MSA`, this plugin's M3 (sparse layers on MSAAttention).
+  `MINIMAX_M3_SPARSE`: `--attention-backend FLASH_ATTN`, vLLM's own M3. Its sparse layers bind
+  MiniMaxM3SparseBackend themselves (Triton kernels on Hopper); the flag picks the dense layers'
+  backend, and MINIMAX_M3_SPARSE cannot be that flag (vLLM refuses a sparse-only backend for them).
+  `dense`: `--attention-backend FLASH_ATTN --hf-overrides` text_config.sparse_attention_config with
+  sparse_attention_freq all 0 (vLLM's M3 then builds every layer as dense attention)
+  `--load-format dummy`: vLLM's M3 loader folds index_{q,k}_proj into the layer's qkv_proj, which a
+  dense layer refuses (QKVParallelLinear: shard id 'index_q'), so this one runs vLLM's seeded random
+  weights: attention and GEMM cost do not depend on weight values (only MoE routing does).
+  (--dense-backend replaces FLASH_ATTN.)
 
     python serve/bench_e2e.py MODEL_DIR --input-lens 8192 32768 131072 [--output-len 128]
-        [--num-prompts 16] [--concurrency 4] [--config NAME='vllm serve args' ...] [--out DIR]
-        [-- extra args for every server]
+        [--num-prompts 16] [--concurrency 4] [--warmups 1] [--config NAME='vllm serve args' ...]
+        [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
+        [--port 8123] [--out DIR] [-- extra args for every server]
 
-Default configurations for an MSA checkpoint (FlashMSAForCausalLM): `FLASH_MSA` and `dense`, the
-same weights with every layer dense (msa_config.dense_layers = all layers) on --dense-backend.
+Issue 4 on one H200 (the three M3 configurations, started together):
+
+    python3 serve/build_m3_model.py /tmp/m3-attn --preset m3-attention
+    python3 serve/bench_e2e.py /tmp/m3-attn --input-lens 8192 32768 131072 --output-len 128 \\
+        --num-prompts 8 --concurrency 4 --parallel-start --out $OUT/e2e -- --kv-cache-memory-bytes 16G
+
+(--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
+which the other servers starting at the same time change.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 METRICS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("output_throughput", "out tok/s"))
+RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"))
+M3_ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+LOG_TAIL_LINES = 40
+PROMPT_SLACK = 64  # tokens of --max-model-len beyond input + output: vllm bench's random prompts may re-tokenize longer
+COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")  # bar colors, one per configuration
+
+
+@dataclass
+class Server:
+    name: str
+    args: list[str]
+    port: int
+    log: Path
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    results: dict[int, dict] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ configurations
 
 
 def default_configs(model_dir: Path, dense_backend: str) -> dict[str, list[str]]:
     config = json.loads((model_dir / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if "FlashMSAForCausalLM" in architectures:
+        return flash_msa_configs(config, dense_backend)
+    if any(a in M3_ARCHITECTURES for a in architectures):
+        return minimax_m3_configs(config, dense_backend)
+    raise ValueError(f"no default configurations for architectures {architectures}: pass --config")
+
+
+def flash_msa_configs(config: dict, dense_backend: str) -> dict[str, list[str]]:
     all_dense = {**config["msa_config"], "dense_layers": list(range(config["num_hidden_layers"]))}
     return {
         "FLASH_MSA": ["--attention-backend", "FLASH_MSA"],
@@ -38,100 +106,207 @@ def default_configs(model_dir: Path, dense_backend: str) -> dict[str, list[str]]
     }
 
 
+def minimax_m3_configs(config: dict, dense_backend: str) -> dict[str, list[str]]:
+    text = config["text_config"]
+    sparse = text["sparse_attention_config"]
+    all_dense = {**sparse, "sparse_attention_freq": [0] * text["num_hidden_layers"]}
+    override = {"text_config": {"sparse_attention_config": all_dense}}
+    paged = ["--block-size", str(sparse["sparse_block_size"])]
+    return {
+        "FLASH_MSA": ["--attention-backend", "FLASH_MSA", *paged],
+        "MINIMAX_M3_SPARSE": ["--attention-backend", dense_backend, *paged],
+        "dense": ["--attention-backend", dense_backend, *paged, "--hf-overrides", json.dumps(override),
+                  "--load-format", "dummy"],
+    }
+
+
+# ------------------------------------------------------------------------------------------ servers
+
+
 def vllm_command() -> list[str]:
     exe = shutil.which("vllm")
     return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float, log: Path) -> float:
-    start = time.time()
-    while time.time() - start < timeout_s:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return time.time() - start
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; see {log}")
-
-
-def run_config(name, args, common, opts, out: Path) -> dict[int, dict]:
-    log = out / f"server-{name}.log"
-    max_len = max(opts.input_lens) + opts.output_len
-    cmd = [*vllm_command(), "serve", str(opts.model_dir), "--served-model-name", "bench", "--host", "127.0.0.1",
-           "--port", str(opts.port), "--max-model-len", str(max_len), *args, *common]
-    print(f"[{name}] {shlex.join(cmd)}", flush=True)
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            print(f"[{name}] healthy after {wait_healthy(opts.port, server, opts.startup_timeout, log):.0f} s", flush=True)
-            results = {}
-            for input_len in opts.input_lens:
-                filename = f"{name}-{input_len}.json"
-                bench = [*vllm_command(), "bench", "serve", "--backend", "vllm", "--model", "bench",
-                         "--tokenizer", str(opts.model_dir), "--base-url", f"http://127.0.0.1:{opts.port}",
-                         "--dataset-name", "random", "--random-input-len", str(input_len),
-                         "--random-output-len", str(opts.output_len), "--ignore-eos",
-                         "--num-prompts", str(opts.num_prompts), "--max-concurrency", str(opts.concurrency),
-                         "--save-result", "--result-dir", str(out), "--result-filename", filename]
-                started = time.time()
-                done = subprocess.run(bench, capture_output=True, text=True)
-                (out / f"bench-{name}-{input_len}.log").write_text(done.stdout + done.stderr)
-                if done.returncode != 0:
-                    raise RuntimeError(f"vllm bench serve failed for {name} at {input_len}: see {out}")
-                results[input_len] = json.loads((out / filename).read_text())
-                row = ", ".join(f"{label} {results[input_len][key]:.1f}" for key, label in METRICS)
-                print(f"[{name}] input {input_len}: {row} ({time.time() - started:.0f} s)", flush=True)
-            return results
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-
-
-def table(all_results: dict[str, dict[int, dict]], input_lens) -> str:
-    names = list(all_results)
-    base = names[0]
-    lines = ["| input | config | " + " | ".join(label for _, label in METRICS) + f" | TPOT vs {base} |",
-             "|---|---|" + "---|" * (len(METRICS) + 1)]
-    for input_len in input_lens:
-        for name in names:
-            r = all_results[name][input_len]
-            ratio = r["mean_tpot_ms"] / all_results[base][input_len]["mean_tpot_ms"]
-            cells = " | ".join(f"{r[key]:.1f}" for key, _ in METRICS)
-            lines.append(f"| {input_len} | {name} | {cells} | {ratio:.2f}x |")
-    return "\n".join(lines)
-
-
-def plot(all_results: dict[str, dict[int, dict]], input_lens, out: Path) -> list[Path]:
-    """One figure per input length: TTFT, TPOT and output throughput of each configuration."""
+def is_healthy(port: int) -> bool:
     try:
-        import matplotlib
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+            return True
+    except OSError:
+        return False
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots", flush=True)
-        return []
-    names, paths = list(all_results), []
+
+def log_tail(path: Path) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def report_failure(server: Server, message: str, log: Path) -> None:
+    server.errors.append(f"{message} (see {log.name})")
+    print(f"[{server.name}] FAILED: {message}\n--- last lines of {log} ---\n{log_tail(log)}\n---", flush=True)
+
+
+def start_server(server: Server, memory_share: float, common: list[str], opts) -> None:
+    if is_healthy(server.port):
+        report_failure(server, f"port {server.port} already serves something", server.log)
+        return
+    cmd = [*vllm_command(), "serve", str(opts.model_dir), "--served-model-name", "bench", "--host", "127.0.0.1",
+           "--port", str(server.port), "--max-model-len", str(max(opts.input_lens) + opts.output_len + PROMPT_SLACK),
+           "--gpu-memory-utilization", f"{memory_share:.3f}", "--max-num-seqs", str(opts.concurrency),
+           "--no-enable-prefix-caching", *server.args, *common]
+    print(f"[{server.name}] starting on port {server.port}: {shlex.join(cmd)}", flush=True)
+    with open(server.log, "w") as log_file:  # the child keeps its own descriptor
+        server.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    server.started = time.time()
+
+
+def wait_healthy(servers: list[Server], timeout_s: float) -> None:
+    """Poll the started servers until each is healthy, has exited or ran out of time; print each outcome."""
+    pending = [s for s in servers if s.proc is not None]
+    while pending:
+        for server in list(pending):
+            waited = time.time() - server.started
+            if server.proc.poll() is not None:
+                report_failure(server, f"server exited with {server.proc.returncode} before it was healthy", server.log)
+            elif is_healthy(server.port):
+                print(f"[{server.name}] healthy after {waited:.0f} s", flush=True)
+            elif waited > timeout_s:
+                report_failure(server, f"server not healthy after {timeout_s:.0f} s", server.log)
+            else:
+                continue
+            pending.remove(server)
+        if pending:
+            time.sleep(2)
+
+
+def stop_server(server: Server) -> None:
+    """Terminate the API server (it stops its engine processes), then kill what is left of its session."""
+    if server.proc is None:
+        return
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+
+
+def bench_command(server: Server, input_len: int, filename: str, opts) -> list[str]:
+    return [*vllm_command(), "bench", "serve", "--backend", "vllm", "--model", "bench",
+            "--tokenizer", str(opts.model_dir), "--base-url", f"http://127.0.0.1:{server.port}",
+            "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(opts.output_len), "--ignore-eos",
+            "--num-prompts", str(opts.num_prompts), "--max-concurrency", str(opts.concurrency),
+            "--num-warmups", str(opts.warmups),
+            "--save-result", "--result-dir", str(opts.out), "--result-filename", filename]
+
+
+def bench_length(server: Server, input_len: int, step: str, opts) -> None:
+    """One `vllm bench serve` run; its result goes to server.results, a failure to server.errors."""
+    if server.proc.poll() is not None:
+        report_failure(server, f"server exited with {server.proc.returncode} before input {input_len}", server.log)
+        return
+    print(f"[{server.name}] input {input_len} ({step}): vllm bench serve ...", flush=True)
+    filename, log = f"{server.name}-{input_len}.json", opts.out / f"bench-{server.name}-{input_len}.log"
+    started = time.time()
+    try:
+        done = subprocess.run(bench_command(server, input_len, filename, opts), capture_output=True, text=True,
+                              timeout=opts.bench_timeout)
+        log.write_text(done.stdout + done.stderr)
+        failure = f"vllm bench serve exited with {done.returncode} at input {input_len}" if done.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = f"vllm bench serve ran past {opts.bench_timeout:.0f} s at input {input_len}"
+        log.write_text(failure + "\n")
+    if failure:
+        report_failure(server, failure, log)
+        return
+    result = server.results[input_len] = json.loads((opts.out / filename).read_text())
+    row = ", ".join(f"{label} {result[key]:.1f}" for key, label in METRICS)
+    print(f"[{server.name}] input {input_len}: {row} ({time.time() - started:.0f} s)", flush=True)
+    if result["failed"]:
+        report_failure(server, f"{result['failed']} of {result['num_prompts']} requests failed at input {input_len}; "
+                       "its numbers cover the others", log)
+
+
+def run_together(servers: list[Server], common: list[str], opts) -> None:
+    """Start these servers at once (each with an equal share of the device memory), wait until all are
+    healthy or failed, benchmark the healthy ones one after another, stop them all."""
+    try:
+        for server in servers:
+            start_server(server, opts.gpu_memory_utilization / len(servers), common, opts)
+        wait_healthy(servers, opts.startup_timeout)
+        for server in [s for s in servers if not s.errors]:
+            for i, input_len in enumerate(opts.input_lens, 1):
+                bench_length(server, input_len, f"length {i}/{len(opts.input_lens)}", opts)
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def table(servers: list[Server], input_lens) -> str:
+    base = servers[0]
+    header = [label for _, label in METRICS] + [f"{label} {base.name} / this" for _, label in RATIOS]
+    lines = ["| input | config | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
     for input_len in input_lens:
-        fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.2))
-        for ax, (key, label) in zip(axes, METRICS):
-            ax.bar(names, [all_results[n][input_len][key] for n in names], color="C0")
-            ax.set_title(label)
-        fig.suptitle(f"input {input_len} tokens")
-        fig.tight_layout()
-        paths.append(out / f"e2e-{input_len}.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        for server in servers:
+            r = server.results.get(input_len)
+            if r is None:
+                cells = ["failed"] + ["-"] * (len(header) - 1)
+            else:
+                b = base.results.get(input_len)
+                cells = [f"{r[key]:.1f}" for key, _ in METRICS]
+                cells += [f"{b[key] / r[key]:.2f}" if b and r[key] else "-" for key, _ in RATIOS]
+            lines.append(f"| {input_len} | {server.name} | " + " | ".join(cells) + " |")
+    errors = [f"- {s.name}: {e}" for s in servers for e in s.errors]
+    return "\n".join(lines + (["", "Failures:", *errors] if errors else []))
+
+
+def bar_chart_svg(title: str, names: list[str], results: list[dict], colors: list[str]) -> str:
+    """One panel per metric, one bar per configuration, values written above the bars."""
+    width, height, top, bottom = 260, 230, 40, 50
+    panels = []
+    for p, (key, label) in enumerate(METRICS):
+        values = [r[key] for r in results]
+        peak = max(values) or 1.0
+        bar = (width - 40) / len(values)
+        items = [f'<text x="{width / 2}" y="20" text-anchor="middle" font-weight="bold">{label}</text>']
+        for i, (name, value, color) in enumerate(zip(names, values, colors)):
+            h = (height - top - bottom) * value / peak
+            x, y = 20 + i * bar + bar * 0.1, height - bottom - h
+            items += [f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar * 0.8:.1f}" height="{h:.1f}" fill="{color}"/>',
+                      f'<text x="{x + bar * 0.4:.1f}" y="{y - 4:.1f}" text-anchor="middle">{value:.1f}</text>',
+                      f'<text x="{x + bar * 0.4:.1f}" y="{height - bottom + 16}" text-anchor="middle" '
+                      f'font-size="10">{name}</text>']
+        panels.append(f'<g transform="translate({p * width},20)">' + "".join(items) + "</g>")
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(METRICS)}" height="{height + 20}" '
+            f'font-family="sans-serif" font-size="12"><text x="10" y="16" font-weight="bold">{title}</text>'
+            + "".join(panels) + "</svg>\n")
+
+
+def plot(servers: list[Server], input_lens, out: Path) -> list[Path]:
+    """One chart per input length over the configurations measured at it (a configuration keeps its color)."""
+    paths = []
+    for input_len in input_lens:
+        measured = [(i, s) for i, s in enumerate(servers) if input_len in s.results]
+        if measured:
+            paths.append(out / f"e2e-{input_len}.svg")
+            paths[-1].write_text(bar_chart_svg(f"input {input_len} tokens", [s.name for _, s in measured],
+                                               [s.results[input_len] for _, s in measured],
+                                               [COLORS[i % len(COLORS)] for i, _ in measured]))
     return paths
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+# --------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
     common = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -140,24 +315,39 @@ def main(argv=None):
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--warmups", type=int, default=1, help="unmeasured requests before each run (default 1)")
     parser.add_argument("--config", action="append", default=[], metavar="NAME='ARGS'",
-                        help="a server configuration (repeatable); default: FLASH_MSA and dense")
-    parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense configuration")
-    parser.add_argument("--port", type=int, default=8123)
+                        help="a server configuration (repeatable); default: by the checkpoint's architecture")
+    parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense (and dense-layer) runs")
+    parser.add_argument("--parallel-start", action="store_true",
+                        help="start every server at once, then benchmark them one after another")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="device memory share of the servers running at once, split evenly (default 0.9)")
+    parser.add_argument("--port", type=int, default=8123, help="port of the first server; the next ones count up")
     parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--bench-timeout", type=float, default=1800, help="seconds per vllm bench serve run")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-e2e"))
     opts = parser.parse_args(argv)
     if not (opts.model_dir / "config.json").is_file():
         parser.error(f"{opts.model_dir} holds no config.json")
-    configs = dict(c.split("=", 1) for c in opts.config)
-    configs = {k: shlex.split(v) for k, v in configs.items()} or default_configs(opts.model_dir, opts.dense_backend)
+    return opts, common
+
+
+def main(argv=None):
+    opts, common = parse_args(sys.argv[1:] if argv is None else argv)
+    configs = {k: shlex.split(v) for k, v in (c.split("=", 1) for c in opts.config)}
+    configs = configs or default_configs(opts.model_dir, opts.dense_backend)
     opts.out.mkdir(parents=True, exist_ok=True)
-    results = {name: run_config(name, args, common, opts, opts.out) for name, args in configs.items()}
-    report = table(results, opts.input_lens)
+    servers = [Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")
+               for i, (name, args) in enumerate(configs.items())]
+    for group in [servers] if opts.parallel_start else [[s] for s in servers]:
+        run_together(group, common, opts)
+    report = table(servers, opts.input_lens)
     (opts.out / "summary.md").write_text(report + "\n")
     print(report)
-    for path in plot(results, opts.input_lens, opts.out):
+    for path in plot(servers, opts.input_lens, opts.out):
         print(f"plot: {path}")
+    return servers
 
 
 if __name__ == "__main__":

@@ -1,15 +1,24 @@
 """Build a tiny random-weight MiniMax-M3 checkpoint in the format vLLM's in-tree M3 loads.
 
-Owns the tiny M3 test model: `config.json` as MiniMax-M3 ships it (`model_type` minimax_m3_vl with
-the text backbone in `text_config`, served as MiniMaxM3SparseForCausalLM), seeded random bf16
-weights under M3's checkpoint names, and the demo model's locally trained BPE tokenizer.
+Owns the tiny M3 checkpoints (the tests', the end-to-end benchmark's): `config.json` as MiniMax-M3
+ships it (`model_type` minimax_m3_vl with the text backbone in `text_config`, served as
+MiniMaxM3SparseForCausalLM), seeded random bf16 weights under M3's checkpoint names, and the demo
+model's locally trained BPE tokenizer.
 
-M3's attention is kept where vLLM's kernels fix it (head_dim = index dim = 128, 128-token blocks,
-one shared index key, index heads == KV heads, Hq/Hkv = 16, partial RoPE over 64 dims, Gemma
-norms, first 3 layers dense) and scaled down elsewhere: 2 KV heads, top-4 blocks so prompts of a
-few thousand tokens run sparse, hidden 256, 5 layers, 8 experts (MoE on the sparse layers, as M3).
+Presets (--preset):
 
-    python serve/build_m3_model.py OUT_DIR [--seed N]
+- default (the tests' model): M3's attention is kept where vLLM's kernels fix it (head_dim = index
+  dim = 128, 128-token blocks, one shared index key, index heads == KV heads, Hq/Hkv = 16, partial
+  RoPE over 64 dims, Gemma norms, first 3 layers dense) and scaled down elsewhere: 2 KV heads, top-4
+  blocks so prompts of a few thousand tokens run sparse, hidden 256, 5 layers, 8 experts (MoE on the
+  sparse layers, as M3).
+- m3-attention (the end-to-end benchmark's model, serve/bench_e2e.py): MiniMax-M3's attention
+  shapes wherever they set attention cost (Hq 64, Hkv = index heads 4, D = Dp 128, one index key,
+  top-16 of 128-token blocks) and a 136K context (a 128K prompt plus outputs), in 4 layers with
+  hidden 1024 and 8 small experts (94M parameters, 190 MB). Layer 0 is dense and layers 1-3 sparse +
+  MoE (as the FlashMSA demo preset), so most attention is sparse, as in M3 (57 of 60 layers).
+
+    python serve/build_m3_model.py OUT_DIR [--preset {default,m3-attention}] [--seed N]
 """
 
 from __future__ import annotations
@@ -28,8 +37,14 @@ from serve.build_demo_model import BOS, EOS, IM_END, PAD, _write_json, is_comple
 
 log = logging.getLogger(__name__)
 
+
+def layer_pattern(num_dense: int, num_layers: int) -> list[int]:
+    """M3's per-layer flags: the first num_dense layers dense (attention and MLP), the rest sparse + MoE."""
+    return [0] * num_dense + [1] * (num_layers - num_dense)
+
+
 NUM_LAYERS = 5
-DENSE = [0, 0, 0, 1, 1]  # M3: the first 3 layers dense (attention and MLP), the rest sparse + MoE
+DENSE = layer_pattern(3, NUM_LAYERS)
 
 TEXT_CONFIG = {
     "architectures": ["MiniMaxM3SparseForCausalLM"],
@@ -79,6 +94,27 @@ TEXT_CONFIG = {
     "bos_token_id": BOS,
     "eos_token_id": [EOS, IM_END],
     "pad_token_id": PAD,
+}
+
+
+M3_ATTENTION_LAYERS = layer_pattern(1, 4)
+# Named variants of TEXT_CONFIG (--preset), as make_config overrides.
+PRESETS = {
+    "default": {},
+    "m3-attention": {
+        "hidden_size": 1024,
+        "num_hidden_layers": len(M3_ATTENTION_LAYERS),
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 139264,
+        "moe_layer_freq": M3_ATTENTION_LAYERS,
+        "sparse_attention_config": {
+            "sparse_num_index_heads": 4,
+            "sparse_topk_blocks": 16,
+            "sparse_disable_index_value": M3_ATTENTION_LAYERS,
+            "sparse_attention_freq": M3_ATTENTION_LAYERS,
+        },
+    },
 }
 
 
@@ -192,7 +228,9 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory (created or reused)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                        help="model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes)")
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    build_m3_model(args.out_dir, seed=args.seed)
+    build_m3_model(args.out_dir, seed=args.seed, **PRESETS[args.preset])

@@ -1,0 +1,161 @@
+"""The end-to-end benchmark's model and orchestration, on CPU: serve/build_m3_model.py --preset
+m3-attention; serve/bench_e2e.py's default configurations (checked with vLLM's own argument parser,
+hf-override code and weight-loader check); its server orchestration (parallel start, a failing
+server, summary, charts) against a stand-in `vllm` that answers /health and writes bench results.
+
+    python3 -m pytest -q tests/test_bench_e2e.py
+"""
+
+import json
+import math
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from serve import bench_e2e
+from serve.build_m3_model import PRESETS, build_m3_model
+
+M3_CONTEXT = 131072 + 8192  # a 128K prompt plus outputs
+
+
+@pytest.fixture(scope="module")
+def m3_attention_model(tmp_path_factory):
+    return build_m3_model(tmp_path_factory.mktemp("models") / "m3-attention", **PRESETS["m3-attention"])
+
+
+def parsed_config(model_dir):
+    from vllm.transformers_utils.config import get_config
+
+    return get_config(str(model_dir), trust_remote_code=False)
+
+
+def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attention_model):
+    from safetensors import safe_open
+    from vllm.transformers_utils.configs.minimax_m3 import MiniMaxM3TextConfig
+
+    from vllm_msa.config import MSAModelConfig
+
+    text = parsed_config(m3_attention_model).get_text_config()
+    assert type(text).__name__ == "MiniMaxM3TextConfig" and text.max_position_embeddings >= M3_CONTEXT
+    msa = MSAModelConfig.from_minimax_m3(text)
+    production = MiniMaxM3TextConfig()  # vLLM's defaults mirror the MiniMax-M3-preview checkpoint
+    assert msa.layer_shape(text) == MSAModelConfig.from_minimax_m3(production).layer_shape(production)
+    assert msa.dense_layers == (0,) and msa.sparse_layers(text.num_hidden_layers) == [1, 2, 3]
+    with safe_open(m3_attention_model / "model.safetensors", "pt") as f:
+        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    assert params < 100e6, params
+
+
+def engine_args(model_dir, args):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", str(model_dir), *args]))
+
+
+def apply_hf_overrides(config, overrides):
+    """vLLM's ModelConfig code for dict-valued --hf-overrides (ModelConfig itself needs CUDA for M3)."""
+    from vllm.config import ModelConfig
+
+    this = SimpleNamespace()
+    this._update_nested = lambda target, updates: ModelConfig._update_nested(this, target, updates)
+    ModelConfig._apply_dict_overrides(this, config, overrides)
+    return config
+
+
+def test_m3_default_configs_are_flash_msa_vllms_m3_and_all_dense_m3(m3_attention_model):
+    from vllm_msa.config import MSAModelConfig
+
+    configs = bench_e2e.default_configs(m3_attention_model, "FLASH_ATTN")
+    assert list(configs) == ["FLASH_MSA", "MINIMAX_M3_SPARSE", "dense"]
+    parsed = {name: engine_args(m3_attention_model, args) for name, args in configs.items()}
+    assert {name: e.attention_backend for name, e in parsed.items()} == {
+        "FLASH_MSA": "FLASH_MSA", "MINIMAX_M3_SPARSE": "FLASH_ATTN", "dense": "FLASH_ATTN"}
+    assert {e.block_size for e in parsed.values()} == {128}
+    assert [e.load_format for e in parsed.values()] == ["auto", "auto", "dummy"]
+    assert parsed["FLASH_MSA"].hf_overrides == parsed["MINIMAX_M3_SPARSE"].hf_overrides == {}
+
+    config = parsed_config(m3_attention_model)
+    before = dict(config.get_text_config().sparse_attention_config)
+    text = apply_hf_overrides(config, parsed["dense"].hf_overrides).get_text_config()
+    assert text.sparse_attention_config == {**before, "sparse_attention_freq": [0, 0, 0, 0]}
+    assert MSAModelConfig.from_minimax_m3(text).dense_layers == (0, 1, 2, 3)  # every layer dense
+
+
+def test_vllms_dense_m3_layer_refuses_index_weights_so_dense_runs_dummy_weights():
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    # vLLM's M3 load_weights maps index_q_proj onto qkv_proj with shard id "index_q"; a dense layer's
+    # qkv_proj is a QKVParallelLinear. If this ever loads, the dense configuration can drop --load-format dummy.
+    with pytest.raises(ValueError, match="got shard id index_q"):
+        QKVParallelLinear.validate_shard_id(None, "index_q")
+
+
+def test_flash_msa_default_configs_are_unchanged(demo_model):
+    configs = bench_e2e.default_configs(demo_model, "CPU_ATTN")
+    assert list(configs) == ["FLASH_MSA", "dense"]
+    assert configs["FLASH_MSA"] == ["--attention-backend", "FLASH_MSA"]
+    dense = engine_args(demo_model, configs["dense"])
+    assert dense.attention_backend == "CPU_ATTN" and dense.hf_overrides["msa_config"]["dense_layers"] == [0, 1, 2, 3]
+
+
+STAND_IN_VLLM = '''
+import http.server, json, sys
+args = sys.argv[1:]
+opt = lambda name: args[args.index(name) + 1]
+if args[0] == "serve":
+    print("serve", json.dumps(args), flush=True)
+    if "BROKEN" in args:
+        sys.exit("ValueError: unknown attention backend BROKEN")
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *_):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(opt("--port"))), Health).serve_forever()
+else:  # bench serve: TPOT = input length / 100 * (1 + server index)
+    scale = 1 + int(opt("--base-url").rsplit(":", 1)[1]) - PORT
+    n = int(opt("--random-input-len"))
+    result = {"mean_ttft_ms": n / 10 * scale, "mean_tpot_ms": n / 100 * scale, "output_throughput": 1000 / scale,
+              "num_prompts": 4, "failed": 0}
+    with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
+        json.dump(result, f)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(demo_model, tmp_path, monkeypatch,
+                                                                                   capsys):
+    port = free_port()
+    stand_in = tmp_path / "vllm.py"
+    stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
+    monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
+    out = tmp_path / "out"
+    servers = bench_e2e.main([str(demo_model), "--input-lens", "100", "200", "--parallel-start", "--port", str(port),
+                              "--config", "A=--attention-backend FLASH_MSA", "--config", "B=--attention-backend X",
+                              "--config", "C=--attention-backend BROKEN", "--out", str(out), "--", "--enforce-eager"])
+    printed = capsys.readouterr().out
+    a, b, c = servers
+    assert [s.port for s in servers] == [port, port + 1, port + 2]
+    assert a.results[200]["mean_tpot_ms"] == 2.0 and b.results[200]["mean_tpot_ms"] == 4.0 and not c.results
+    assert c.errors == ["server exited with 1 before it was healthy (see server-C.log)"]
+    assert "unknown attention backend BROKEN" in printed  # the log tail
+    assert "[B] input 200 (length 2/2): vllm bench serve" in printed
+    for server in servers:  # each its share of the device; the extra args last
+        argv = json.loads(server.log.read_text().split("serve ", 1)[1].splitlines()[0])
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.300" and argv[-1] == "--enforce-eager"
+    summary = (out / "summary.md").read_text()
+    assert "| 200 | B | 40.0 | 4.0 | 500.0 | 0.50 | 0.50 |" in summary
+    assert "| 100 | C | failed |" in summary and "- C: server exited with 1" in summary
+    assert sorted(p.name for p in out.glob("*.svg")) == ["e2e-100.svg", "e2e-200.svg"]
+    assert ">B</text>" in (out / "e2e-200.svg").read_text()
