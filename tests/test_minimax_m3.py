@@ -115,7 +115,7 @@ def test_m3_configs_flash_msa_cannot_serve_are_refused(overrides, message):
 
 def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1):
     """The parts of a VllmConfig the check reads (vLLM cannot build a whole M3 VllmConfig on CPU)."""
-    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.config import CacheConfig
     from vllm.config.attention import AttentionConfig
 
     cache = CacheConfig() if block_size is None else CacheConfig(block_size=block_size)
@@ -123,7 +123,8 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=text_config),
         cache_config=cache,
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        # vLLM's ParallelConfig refuses a TP size above the GPU count: only the two sizes are read
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=1),
         attention_config=AttentionConfig(backend=backend),
     )
 
