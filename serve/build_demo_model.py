@@ -207,31 +207,45 @@ def is_complete(out_dir: Path) -> bool:
     return all((out_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def build_demo_model(out_dir, *, seed: int = 0, overwrite: bool = False, **overrides) -> Path:
-    """Write the demo checkpoint to out_dir (or reuse a complete one); return its path.
+def holds_model(out_dir: Path, config: dict) -> bool:
+    """out_dir is a complete checkpoint with this config.json."""
+    return is_complete(out_dir) and json.loads((out_dir / "config.json").read_text()) == config
 
-    Raises FileExistsError if out_dir exists but is not an empty directory or a
-    complete model with the same config.json, unless overwrite=True (which
-    replaces out_dir entirely). The model is built in a sibling temporary
-    directory and renamed into place, so out_dir is never left half-written.
+
+def build_demo_model(out_dir, *, seed: int = 0, overwrite: bool = False, **overrides) -> Path:
+    """Write the demo checkpoint to out_dir (or reuse a complete one); return its path (see build_checkpoint)."""
+    config = make_config(**overrides)
+
+    def write_files(tmp: Path) -> None:
+        write_tokenizer(tmp, config)
+        write_config(tmp, config)
+        write_weights(tmp, config, seed)
+
+    return build_checkpoint(out_dir, config, write_files, overwrite)
+
+
+def build_checkpoint(out_dir, config: dict, write_files, overwrite: bool) -> Path:
+    """Reuse out_dir if it holds a complete model with this config.json, else build it there.
+
+    Raises FileExistsError if out_dir exists but is not an empty directory or a complete model with
+    the same config.json, unless overwrite=True (which replaces out_dir entirely). write_files(tmp)
+    fills a sibling temporary directory that is then renamed into place, so out_dir is never left
+    half-written.
     """
     out_dir = Path(out_dir).resolve()
-    config = make_config(**overrides)
     if out_dir.exists() and not overwrite:
-        if is_complete(out_dir):
-            if json.loads((out_dir / "config.json").read_text()) != config:
-                raise FileExistsError(f"{out_dir} holds a model with a different config.json; use --overwrite")
+        if holds_model(out_dir, config):
             log.info("reused: %s", out_dir)
             return out_dir
+        if is_complete(out_dir):
+            raise FileExistsError(f"{out_dir} holds a model with a different config.json; use --overwrite")
         if not out_dir.is_dir() or any(out_dir.iterdir()):
             raise FileExistsError(f"{out_dir} exists and is not empty or a complete model; use --overwrite")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        write_tokenizer(tmp, config)
-        write_config(tmp, config)
-        write_weights(tmp, config, seed)
+        write_files(tmp)
         for path in tmp.iterdir():  # mkdtemp and safetensors create private files
             path.chmod(0o644)
         tmp.chmod(0o755)

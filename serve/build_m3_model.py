@@ -27,13 +27,13 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.build_demo_model import BOS, EOS, IM_END, PAD, _write_json, is_complete, write_tokenizer  # noqa: E402
+from serve.build_demo_model import (  # noqa: E402
+    BOS, EOS, IM_END, PAD, _write_json, build_checkpoint, holds_model, write_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,15 +200,10 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
     """
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir).resolve()
     config = make_config(**text_overrides)
-    if is_complete(out_dir) and json.loads((out_dir / "config.json").read_text()) == config:
-        log.info("reused: %s", out_dir)
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        text = config["text_config"]
+    text = config["text_config"]
+
+    def write_files(tmp: Path) -> None:
         write_tokenizer(tmp, text)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
@@ -216,13 +211,8 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         log.info("weights: %d tensors, %.2fM parameters, seed %d",
                  len(tensors), sum(t.numel() for t in tensors.values()) / 1e6, seed)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors create private files
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return build_checkpoint(out_dir, config, write_files, overwrite=not holds_model(Path(out_dir).resolve(), config))
 
 
 if __name__ == "__main__":

@@ -114,10 +114,12 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
                              index_head_dim=128, topk_blocks=16)
 
 
-def test_metrics_count_no_padding_tokens():
+def test_metrics_count_no_padding_tokens(monkeypatch):
     import torch
 
-    from vllm_msa.metrics import StepStats
+    from vllm_msa.metrics import DIR_ENV, StepStats
+
+    monkeypatch.delenv(DIR_ENV, raising=False)  # no metrics file: this process's /metrics stays as it is
 
     selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]]], dtype=torch.int32)
     positions = torch.tensor([300, 200])
