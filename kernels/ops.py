@@ -77,11 +77,7 @@ def select_blocks(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> t
     return reference.select_blocks(scores, batch.positions, shape)
 
 
-def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float,
-                  out=None, proxy_batch: PagedBatch | None = None):
-    """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks).
-
-    proxy_batch: the proxy cache's own block table when it differs from the K/V cache's.
-    """
-    selected = select_blocks(index_q, proxy_cache, proxy_batch or batch, shape)
+def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float, out=None):
+    """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks)."""
+    selected = select_blocks(index_q, proxy_cache, batch, shape)
     return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected

@@ -23,7 +23,6 @@ from typing import ClassVar
 
 import torch
 
-
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
 from vllm_msa import metrics
