@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 results = []
 
@@ -46,6 +47,9 @@ def summary():
 
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's kernels package
+from kernels.bench.timing import timed  # noqa: E402
 
 print(f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
       f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", flush=True)
@@ -102,18 +106,6 @@ def ref_attention(q, k, v, scale):  # q [Lq, H, D], k/v [Lk, Hkv, D]; causal, bo
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def timed(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters * 1000  # us
-
-
 @check("FA3 paged attention (2 sequences, bf16, block 128, GQA 32/8, D=128) vs PyTorch, eager and CUDA graph")
 def _():
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -153,7 +145,7 @@ def _():
         err = max(err, (out[cu_q[i]:cu_q[i + 1]].float() - ref).abs().max().item())
     assert err < 2e-2, f"max abs error {err:.3g} vs PyTorch"
     eager = out.clone()
-    us = timed(run)
+    us = timed(run) * 1e6
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -166,7 +158,7 @@ def _():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "CUDA graph replay differs from the eager call"
-    us_g = timed(g.replay)
+    us_g = timed(g.replay) * 1e6
     return f"FA{fa_version}, max abs error {err:.2e}; {us:.1f} us eager, {us_g:.1f} us per graph replay"
 
 
@@ -220,7 +212,7 @@ def _():
         kv = kv_cache[block_table[i, :n].long()].permute(0, 2, 1, 3).reshape(-1, HKV, 2 * D)[:seq_lens[i]]
         ref = ref_attention(q[i:i + 1], kv[..., :D], kv[..., D:], scale)
         err = max(err, (out[i:i + 1].float() - ref).abs().max().item())
-    us = timed(run)
+    us = timed(run) * 1e6
     msg = f"max abs error {err:.2e}; first call (Triton compile) {first:.1f} s, then {us:.1f} us"
     if err > 2e-2:
         return "WARN " + msg + " (check the layout assumed here: [blocks, kv_heads, 128, K|V])"
