@@ -7,7 +7,9 @@ proxy keys per 128-token block, picks the top-k blocks and runs attention over t
 (kernels.ops: CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
 Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
-CUDA) run FlashMSAImpl.forward, the same sparse attention with every visible block selected.
+CUDA, e.g. a checkpoint's dense_layers) run FlashMSAImpl.forward: vLLM's FlashAttention on the same
+paged K/V cache where vLLM has it (FA3 on Hopper), else the sparse attention path with every visible
+block selected.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
@@ -78,6 +80,9 @@ class FlashMSAMetadata(AttentionMetadata):
     batch: PagedBatch
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slots, -1 = padding
     num_actual_tokens: int
+    max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
+    max_seq_len: int
+    dense_num_splits: int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
 
 
 class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
@@ -85,8 +90,15 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     reorder_batch_threshold = None
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):  # abstract in vLLM's base
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        compilation = vllm_config.compilation_config
+        # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
+        # replay, since a graph keeps the split count of its capture.
+        self._graph_batch_limit = (
+            compilation.max_cudagraph_capture_size or 0 if compilation.cudagraph_mode.has_full_cudagraphs() else 0
+        )
+        self._graph_num_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -111,7 +123,12 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
         batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         return FlashMSAMetadata(
-            batch=batch, slot_mapping=m.slot_mapping[: m.num_actual_tokens], num_actual_tokens=m.num_actual_tokens
+            batch=batch,
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            dense_num_splits=self._graph_num_splits if m.num_actual_tokens <= self._graph_batch_limit else 0,
         )
 
 
@@ -150,7 +167,9 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if self.msa_shape is None:  # a dense layer: sparse attention only (its top-k does not matter)
+        if self.msa_shape is None:  # a dense layer
+            if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
+                return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
             return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
         return ops.graph_capturable(device, dtype, self.msa_shape)
 
@@ -183,6 +202,18 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         if attn_metadata is None:  # memory-profiling run: caches are not bound yet
             return output.fill_(0)
         batch, n = attn_metadata.batch, attn_metadata.num_actual_tokens
+        version = dense_flash_attn_version(query.device, query.dtype, self.head_size)
+        if version is not None:
+            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+            flash_attn_varlen_func(  # K and V are strided views of the cache pages, as FA reads them
+                q=query[:n], k=kv_cache[:, 0], v=kv_cache[:, 1], out=output[:n],
+                cu_seqlens_q=batch.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=batch.seq_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=self.scale,
+                causal=True, block_table=batch.block_table, fa_version=version,
+                num_splits=attn_metadata.dense_num_splits,
+            )
+            return output
         max_blocks = batch.block_table.shape[1]
         shape = self._dense_shape(kv_cache.shape[2], max_blocks)
         every_block = torch.arange(max_blocks, dtype=torch.int32, device=query.device)
@@ -222,6 +253,30 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         if clock is not None:
             clock.mark()
         return selected
+
+
+@functools.cache
+def dense_flash_attn_version(device: torch.device, dtype: torch.dtype, head_size: int) -> int | None:
+    """The version of vLLM's FlashAttention that runs dense layers on this device, or None (then the
+    sparse attention path runs them with every block selected): CUDA builds of vLLM, fp16/bf16."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
+        return None
+    from vllm.v1.attention.backends import fa_utils
+
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        return None
+    version = fa_utils.get_flash_attn_version(head_size=head_size)
+    return version if version is not None and fa_utils.is_fa_version_supported(version) else None
+
+
+def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> str:
+    """What runs a dense layer on FLASH_MSA, for startup logs."""
+    version = dense_flash_attn_version(torch.device(device), dtype, head_size)
+    if version is not None:
+        return f"vLLM's FlashAttention {version}"
+    probe = torch.empty(0, device=device, dtype=dtype)
+    shape = MSAShape(1, 1, head_size, 1, 1, 1, 1)
+    return f"sparse attention over every block ({'CuTeDSL' if ops.uses_cute_sparse_attention(probe, shape) else 'PyTorch'})"
 
 
 def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:

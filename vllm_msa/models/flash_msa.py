@@ -22,6 +22,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from kernels import ops
+from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
 
@@ -87,9 +88,9 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)
         logger.info(
             "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
-            "dense layers %s on the platform attention backend",
+            "dense layers %s on the selected attention backend (on FLASH_MSA: %s)",
             sparse, ops.describe(device, dtype, shape), msa.topk_blocks, msa.block_size, msa.local_blocks,
-            msa.init_blocks, list(msa.dense_layers),
+            msa.init_blocks, list(msa.dense_layers), describe_dense(device, dtype, shape.head_dim),
         )
         probe = torch.empty(0, device=device, dtype=dtype)
         kernels_serve = ops.uses_cute_proxy_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)

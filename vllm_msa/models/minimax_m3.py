@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig, flash_msa_selected
 from vllm_msa.layer import MSAAttention
 
@@ -101,10 +102,11 @@ class FlashMSAMiniMaxM3ForCausalLM(MiniMaxM3SparseForCausalLM):
         with _sparse_attention_class(FlashMSAMiniMaxM3Attention):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         shape = msa.layer_shape(text_config)
+        device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
         logger.info(
             "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
-            "dense layers %s on the FLASH_MSA dense path",
-            msa.sparse_layers(text_config.num_hidden_layers),
-            ops.describe(vllm_config.device_config.device, vllm_config.model_config.dtype, shape),
+            "dense layers %s on FLASH_MSA's dense path (%s)",
+            msa.sparse_layers(text_config.num_hidden_layers), ops.describe(device, dtype, shape),
             msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks, list(msa.dense_layers),
+            describe_dense(device, dtype, shape.head_dim),
         )
