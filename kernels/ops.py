@@ -3,7 +3,7 @@
 
     proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py for decode batches,
                       proxy_scores_prefill.py once a request has 64+ new tokens), else reference
-    top-k selection   reference (torch ops, on the inputs' device)
+    top-k selection   CuTeDSL on sm_90 (kernels/cute/topk_blocks.py) for fp32 scores, else reference
     sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn.py + combine.py), else reference
 """
 
@@ -35,6 +35,10 @@ def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape) -> bool:
     return proxy_scores_supported(shape.index_head_dim, shape.block_size) and _on_hopper_bf16(index_q)
 
 
+def uses_cute_topk(scores: torch.Tensor) -> bool:
+    return scores.is_cuda and scores.dtype == torch.float32 and _cute_available(scores.device.index or 0)
+
+
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape) -> bool:
     return sparse_attention_supported(shape.head_dim, shape.block_size) and _on_hopper_bf16(q)
 
@@ -42,14 +46,17 @@ def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape) -> bool:
 def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
     """Which implementation runs each step, for startup logs."""
     probe = torch.empty(0, device=device, dtype=dtype)
+    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # proxy scores' dtype
     proxy = "CuTeDSL" if uses_cute_proxy_scores(probe, shape) else "PyTorch"
+    topk = "CuTeDSL" if uses_cute_topk(torch.empty(0, device=device, dtype=score_dtype)) else "PyTorch"
     attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
-    return f"proxy scores: {proxy}, top-k: PyTorch, sparse attention: {attention}"
+    return f"proxy scores: {proxy}, top-k: {topk}, sparse attention: {attention}"
 
 
 def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, proxy_scores: bool = True) -> bool:
-    """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels and
-    the torch top-k run without host syncs; the reference loops over requests on the host."""
+    """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
+    the reference top-k, torch ops) run without host syncs; the reference proxy scores and attention
+    loop over requests on the host."""
     probe = torch.empty(0, device=device, dtype=dtype)
     served = uses_cute_sparse_attention(probe, shape)
     return served and (not proxy_scores or uses_cute_proxy_scores(probe, shape))
@@ -74,6 +81,10 @@ def sparse_attention(q, kv_cache, batch: PagedBatch, selected, shape: MSAShape, 
 def select_blocks(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
     """Proxy scores, then top-k: the selected blocks [T, Hi, K] (batch: the proxy cache's block table)."""
     scores = proxy_block_scores(index_q, proxy_cache, batch, shape)
+    if uses_cute_topk(scores):
+        from kernels import cute
+
+        return cute.select_blocks(scores, batch.positions, shape)
     return reference.select_blocks(scores, batch.positions, shape)
 
 

@@ -66,7 +66,8 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape
     """Top-k logical blocks per (token, index head), [T, Hi, K] int32, ascending, -1 padded.
 
     The local blocks (the query's block and the local_blocks-1 before it) and the init blocks are
-    always taken; the other slots take the best-scoring visible blocks.
+    always taken; the other slots take the best-scoring visible blocks, the lower block number first
+    among equal scores.
     """
     num_tokens, num_heads, max_blocks = scores.shape
     k = shape.topk_blocks
@@ -75,7 +76,8 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape
     visible = block <= query_block
     forced = visible & ((block > query_block - shape.local_blocks) | (block < shape.init_blocks))
     ranked = scores.masked_fill(forced[:, None, :], float("inf")).masked_fill(~visible[:, None, :], float("-inf"))
-    top_scores, top_blocks = ranked.topk(min(k, max_blocks), dim=-1)
+    top_scores, top_blocks = ranked.sort(dim=-1, descending=True, stable=True)
+    top_scores, top_blocks = top_scores[..., :k], top_blocks[..., :k]
     missing = top_scores == float("-inf")
     top_blocks = top_blocks.masked_fill(missing, max_blocks).sort(dim=-1).values
     top_blocks = top_blocks.masked_fill(top_blocks == max_blocks, -1).to(torch.int32)

@@ -62,6 +62,16 @@ def test_combine_kernel_compiles_for_sm90a(hq, d, sm90a):
     compiles_and_caches("combine", CombineParams(hq, d), sm90a)
 
 
+TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, the demo, init + local variants
+
+
+@pytest.mark.parametrize("k, local, init", TOPK_PARAMS)
+def test_topk_kernel_compiles_for_sm90a(k, local, init, sm90a):
+    from kernels.cute.topk_blocks import TopkBlocksParams
+
+    compiles_and_caches("topk_blocks", TopkBlocksParams(k, local, init), sm90a)
+
+
 def test_kernel_cache_replaces_an_unreadable_file(sm90a):
     from kernels.cute.combine import CombineParams
 
@@ -101,9 +111,41 @@ def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
     assert torch.equal(torch.isfinite(got), finite)
     assert (got[~finite] == float("-inf")).all()
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
-    # same top-k selection except at exact ties
+    # same top-k selection except at exact ties (the kernel's fp32 sums may tie or split differently)
     positions = case.batch.positions
     assert torch.equal(reference.select_blocks(got, positions, shape), reference.select_blocks(want, positions, shape))
+
+
+# Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K
+# context (1063 blocks), and a 300-token prefill run.
+TOPK_POSITIONS = [-1, 0, 5, 127, 128, 129, 1000, 2047, 2048, 4095, 70000, 131071, 135999, *range(3000, 3300)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, local, init", TOPK_PARAMS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_kernel_matches_reference(k, local, init, ties):
+    """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win."""
+    from kernels import cute as cute_kernels
+
+    shape = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=4, num_index_key_heads=1,
+                     index_head_dim=64, topk_blocks=k, local_blocks=local, init_blocks=init)
+    positions = torch.tensor(TOPK_POSITIONS, device="cuda")
+    max_blocks = 1100
+    generator = torch.Generator(device="cuda").manual_seed(k * 100 + local * 10 + init + ties)
+    size = (len(TOPK_POSITIONS), shape.num_index_heads, max_blocks)
+    if ties:
+        scores = torch.randint(-2, 2, size, device="cuda", generator=generator).float()
+    else:
+        scores = torch.randn(size, device="cuda", generator=generator) * 100
+    blocks = torch.arange(max_blocks, device="cuda")
+    scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the proxy kernels
+    poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
+    del poison  # the kernel's output reuses this memory: every slot must be written
+    got = cute_kernels.select_blocks(scores, positions, shape)
+    want = reference.select_blocks(scores, positions, shape)
+    assert torch.equal(got, want)
 
 
 ATTENTION_CASES = {
@@ -149,7 +191,7 @@ def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
     assert ops.uses_cute_proxy_scores(case.index_q, shape) and ops.uses_cute_sparse_attention(case.q, shape)
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
-        "proxy scores: CuTeDSL, top-k: PyTorch, sparse attention: CuTeDSL"
+        "proxy scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
     )
     out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                       case.scale, out=torch.full_like(case.q, float("nan")))

@@ -184,3 +184,11 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     selected = select_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
     assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
 
+
+
+def test_select_blocks_takes_the_lower_block_among_equal_scores():
+    shape = _shape(topk_blocks=3, init_blocks=0, local_blocks=1)
+    # token at position 100 (block 6 of 16-token blocks); blocks 1, 2, 4 and 5 tie at the top score
+    scores = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 2.0, 2.0, -5.0] + [float("-inf")] * 3]]).expand(1, 2, 10)
+    got = select_blocks(scores, torch.tensor([100]), shape)
+    assert got.tolist() == [[[1, 2, 6], [1, 2, 6]]]

@@ -13,9 +13,8 @@ forced (L 1, I 0), bf16; decode batch 1/8/32 at 8K/32K/128K, prefill of one whol
 Each shape is one random paged problem (shuffled pages, NaN in every cache slot no request owns) that
 every side reads:
 
-  ours   kernels.ops.msa_attention (CuTeDSL proxy scores, torch top-k, CuTeDSL sparse attention on
-         Hopper); parts: index = ops.proxy_block_scores + reference.select_blocks, attention =
-         ops.sparse_attention.
+  ours   kernels.ops.msa_attention (CuTeDSL proxy scores, top-k and sparse attention on Hopper);
+         parts: index = ops.select_blocks (proxy scores + top-k), attention = ops.sparse_attention.
   vLLM   the Triton ops that vLLM's MiniMaxM3SparseAttention runs off Blackwell
          (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl), called as those impls call them:
            decode   common/ops/index_topk.minimax_m3_index_decode -> sparse_attn.minimax_m3_sparse_attn_decode
@@ -64,7 +63,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, reference
+from kernels import ops
 from kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
 from kernels.bench.timing import ceilings, graph_timed, timed
 from kernels.shapes import MSAShape, PagedBatch
@@ -179,8 +178,7 @@ def our_steps(case: PagedCase) -> Steps:
     shape, batch = case.shape, case.batch
 
     def index():
-        scores = ops.proxy_block_scores(case.index_q, case.proxy_cache, batch, shape)
-        return reference.select_blocks(scores, batch.positions, shape)
+        return ops.select_blocks(case.index_q, case.proxy_cache, batch, shape)
 
     def attention(selected):
         return ops.sparse_attention(case.q, case.kv_cache, batch, selected, shape, case.scale)

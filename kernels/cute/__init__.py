@@ -2,6 +2,7 @@
 
 proxy_scores          causal max-pooled proxy block scores, decode (SIMT, every token on its own)
 proxy_scores_prefill  the same for prefill chunks (tensor cores, 64-token tiles of a request)
+topk_blocks           top-k block selection from those scores (threshold search, one CTA per row)
 sparse_attn           GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
 combine               merges the split-K partials
 warp_mma, fake        helpers: MMA fragments, tile copies, swizzles; symbolic tensors for compiling
@@ -157,6 +158,21 @@ def proxy_block_scores(
         out = torch.empty(size, dtype=torch.float32, device=index_q.device)
         kernel = compiled_kernel("proxy_scores", ProxyScoreParams(*index_shape))
         kernel(*queries, _cute(batch.token_requests), positions, _cute(out), _stream())
+    return out
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
+    """Same contract as kernels.reference.select_blocks, for fp32 scores on a CUDA device; ties go to
+    the lower block number."""
+    from kernels.cute.topk_blocks import TopkBlocksParams
+
+    num_tokens, num_heads, _ = scores.shape
+    out = torch.empty((num_tokens, num_heads, shape.topk_blocks), dtype=torch.int32, device=scores.device)
+    if num_tokens == 0:
+        return out
+    params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
+    kernel = compiled_kernel("topk_blocks", params)
+    kernel(_cute(scores.contiguous().view(torch.int32)), _cute(positions.to(torch.int32)), _cute(out), _stream())
     return out
 
 

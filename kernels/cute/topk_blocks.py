@@ -1,0 +1,175 @@
+"""CuTeDSL kernel: top-k block selection from the proxy block scores.
+
+Computes reference.select_blocks: per (query token, index head) row, the forced blocks (the query's
+block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the
+other visible blocks, ascending, -1 padded. One CTA (128 threads) per row.
+
+The scores arrive as their fp32 bit patterns (int32); key = bits, or bits ^ 0x7fffffff for negative
+ones, orders them as the floats. The need-th largest candidate key is built bit by bit from the top:
+the sign, then each lower bit kept if at least `need` candidates have a key >= the value with it
+set (one CTA-wide count per bit, 32 counts in all). A last pass walks the blocks in order and keeps
+the forced ones, the candidates above the threshold and the first candidates equal to it, so ties
+go to the lower block number and the output comes out sorted. Rows with no more candidates than
+slots skip the search and take every visible block.
+"""
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels.cute.fake import row_major
+
+THREADS = 128
+WARPS = THREADS // 32
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TopkBlocksParams:
+    topk_blocks: int  # K
+    local_blocks: int  # L
+    init_blocks: int  # I
+    block_size: int = 128  # B
+
+
+class TopkBlocksKernel:
+    def __init__(self, params: TopkBlocksParams):
+        assert params.topk_blocks >= params.local_blocks + params.init_blocks and params.local_blocks >= 1
+        self.p = params
+
+    @cute.jit
+    def __call__(
+        self,
+        score_bits: cute.Tensor,  # [T, Hi, max_blocks] int32: the fp32 block scores' bits
+        token_position: cute.Tensor,  # [T] int32, -1 for padding tokens (they select nothing)
+        out: cute.Tensor,  # [T, Hi, K] int32
+        stream: cuda.CUstream,
+    ):
+        num_tokens = cute.size(score_bits, mode=[0])
+        num_heads = cute.size(score_bits, mode=[1])
+        self.kernel(score_bits, token_position, out).launch(
+            grid=[num_tokens, num_heads, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, score_bits: cute.Tensor, token_position: cute.Tensor, out: cute.Tensor):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        smem = cutlass.utils.SmemAllocator()
+        exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS,)))
+        row = score_bits[token, head, None]
+
+        # Visible blocks [0, visible), forced ones: [0, init_end) and [local_start, visible).
+        position = token_position[token]
+        visible = cutlass.Int32(0)
+        if position >= 0:
+            visible = cutlass.min(position // p.block_size + 1, cute.size(score_bits, mode=[2]))
+        local_start = cutlass.max(visible - p.local_blocks, 0)
+        init_end = cutlass.min(visible, p.init_blocks)
+        forced = visible
+        if init_end <= local_start:
+            forced = init_end + visible - local_start
+        need = p.topk_blocks - forced
+        # Candidates keep a block if key > threshold, or key == threshold among the first `need_equal`.
+        threshold = cutlass.Int32(INT32_MIN)
+        need_equal = visible
+        if need == 0:
+            threshold = cutlass.Int32(INT32_MAX)
+            need_equal = cutlass.Int32(0)
+        if need > 0 and visible - forced > need:
+            threshold = cutlass.Int32(0)
+            if self.count_at_least(row, threshold, init_end, local_start, exchange, warp) < need:
+                threshold = cutlass.Int32(INT32_MIN)
+            for bit in cutlass.range_constexpr(30, -1, -1):
+                trial = threshold | (1 << bit)
+                if self.count_at_least(row, trial, init_end, local_start, exchange, warp) >= need:
+                    threshold = trial
+            need_equal = need - self.count_at_least(row, threshold + 1, init_end, local_start, exchange, warp)
+
+        # Keep blocks in order, THREADS at a time; warp ballots + a CTA prefix give each its slot.
+        taken = cutlass.Int32(0)
+        equal_seen = cutlass.Int32(0)
+        lanes_below = (cutlass.Int32(1) << lane) - 1
+        for start in range(0, visible, THREADS):
+            block = start + tidx
+            keep = cutlass.Int32(0)
+            equal = cutlass.Int32(0)
+            if block < visible:
+                keep = 1
+                if block >= init_end and block < local_start:
+                    key = self.order_key(row[block])
+                    keep = 0
+                    if key > threshold:
+                        keep = 1
+                    if key == threshold:
+                        equal = 1
+            equal_ballot = cute.arch.vote_ballot_sync(equal != 0)
+            equal_rank, equal_total = self.cta_prefix(equal_ballot, lanes_below, exchange, warp)
+            if equal != 0 and equal_seen + equal_rank < need_equal:
+                keep = 1
+            keep_ballot = cute.arch.vote_ballot_sync(keep != 0)
+            slot, kept = self.cta_prefix(keep_ballot, lanes_below, exchange, warp)
+            if keep != 0:
+                out[token, head, taken + slot] = block
+            taken += kept
+            equal_seen += equal_total
+        for slot in range(taken + tidx, p.topk_blocks, THREADS):
+            out[token, head, slot] = -1
+
+    @cute.jit
+    def order_key(self, bits: cutlass.Int32) -> cutlass.Int32:
+        """The float's order as a signed int: negative floats have their magnitude bits flipped."""
+        key = bits
+        if bits < 0:
+            key = bits ^ INT32_MAX
+        return key
+
+    @cute.jit
+    def count_at_least(self, row, threshold, init_end, local_start, exchange, warp) -> cutlass.Int32:
+        """Candidates (blocks in [init_end, local_start)) with key >= threshold, summed over the CTA."""
+        tidx, _, _ = cute.arch.thread_idx()
+        count = cutlass.Int32(0)
+        for block in range(init_end + tidx, local_start, THREADS):
+            if self.order_key(row[block]) >= threshold:
+                count += 1
+        count = cute.arch.warp_redux_sync(count, "add")
+        cute.arch.sync_threads()  # the previous exchange is read by every warp
+        if cute.arch.lane_idx() == 0:
+            exchange[warp] = count
+        cute.arch.sync_threads()
+        total = exchange[0]
+        for w in cutlass.range_constexpr(1, WARPS):
+            total += exchange[w]
+        return total
+
+    @cute.jit
+    def cta_prefix(self, ballot, lanes_below, exchange, warp):
+        """(set bits of the ballots of lower threads of the CTA, set bits in the whole CTA)."""
+        cute.arch.sync_threads()
+        if cute.arch.lane_idx() == 0:
+            exchange[warp] = cute.arch.popc(ballot)
+        cute.arch.sync_threads()
+        below = cute.arch.popc(ballot & lanes_below)
+        total = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            if w < warp:
+                below += exchange[w]
+            total += exchange[w]
+        return below, total
+
+
+def fake_arguments(params: TopkBlocksParams):
+    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+    i32 = cutlass.Int32
+    return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), make_fake_stream())
+
+
+def compile_kernel(params: TopkBlocksParams):
+    return cute.compile(TopkBlocksKernel(params), *fake_arguments(params))
