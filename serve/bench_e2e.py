@@ -14,8 +14,8 @@ failed, they are benchmarked one after another. Progress (server, input length) 
 goes; a server that fails to start, dies, or whose benchmark fails is reported with its log tail,
 and the other servers are still measured.
 
---out gets summary.md (TTFT, TPOT and output throughput per input length and configuration, with
-the first configuration's TTFT and TPOT divided by each one's), one SVG bar chart per input length
+--out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length and
+configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's), one SVG bar chart per input length
 (e2e-LEN.svg), the raw `vllm bench` JSON, and the server and bench logs.
 
 Default configurations, by the checkpoint's architecture (--config NAME='ARGS' replaces them):
@@ -42,7 +42,7 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
 Issue 4 on one H200 (the three M3 configurations, started together):
 
     python3 serve/build_m3_model.py /tmp/m3-attn --preset m3-attention
-    python3 serve/bench_e2e.py /tmp/m3-attn --input-lens 8192 32768 131072 --output-len 128 \\
+    python3 serve/bench_e2e.py /tmp/m3-attn --input-lens 32768 131072 --output-len 256 \\
         --num-prompts 8 --concurrency 4 --parallel-start --out $OUT/e2e -- --kv-cache-memory-bytes 16G
 
 (--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
@@ -65,8 +65,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METRICS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("output_throughput", "out tok/s"))
-RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"))
+# Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
+METRICS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("median_itl_ms", "ITL p50 ms"),
+           ("output_throughput", "out tok/s"))
+RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"), ("median_itl_ms", "ITL p50"))
 M3_ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
 LOG_TAIL_LINES = 40
 PROMPT_SLACK = 64  # tokens of --max-model-len beyond input + output: vllm bench's random prompts may re-tokenize longer
