@@ -252,6 +252,7 @@ def test_topk_blocks_equal_vllms_m3_indexer(case, monkeypatch):
 
 PROMPT_LENS = [6000, 2500, 300, 7]  # 47, 20, 3, 1 blocks against top-16
 MAX_TOKENS = 16
+RESULT = "ENGINE RESULT "  # marks the engine process's result line on stdout
 
 
 def run_engine(model_dir, flash_msa: bool) -> dict:
@@ -263,7 +264,8 @@ def run_engine(model_dir, flash_msa: bool) -> dict:
     args = [sys.executable, __file__, str(model_dir), "FLASH_MSA" if flash_msa else ""]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, f"engine failed ({'FLASH_MSA' if flash_msa else 'vLLM'}):\n{out.stderr[-6000:]}"
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    [result] = [line[len(RESULT):] for line in out.stdout.splitlines() if line.startswith(RESULT)]
+    return json.loads(result)  # vLLM's engine process may log to stdout after it
 
 
 def layer_classes(model) -> list[str]:
@@ -293,7 +295,9 @@ def _engine_main(model_dir: str, backend: str) -> None:
     [classes] = llm.apply_model(layer_classes)
     cudagraphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # One prompt at a time (in order: the last one hits the prefix cache of the first): batched
+    # together, vLLM's own M3 returned NaN logprobs for whole prompts, different ones per run.
+    outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
     [unused] = llm.apply_model(functools.partial(unused_checkpoint_tensors, model_dir))  # reloads: after generating
     result = {
         "model_class": model_class,
@@ -303,7 +307,7 @@ def _engine_main(model_dir: str, backend: str) -> None:
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outputs],
     }
-    print(json.dumps(result))
+    print(RESULT + json.dumps(result), flush=True)
 
 
 @pytest.mark.gpu
@@ -318,9 +322,17 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model):
     assert ours["layer_classes"] == ["MiniMaxM3Attention"] + ["FlashMSAMiniMaxM3Attention"] * 3
     assert ours["cudagraph_mode"] == "FULL_AND_PIECEWISE", ours["cudagraph_mode"]  # full graphs for decode
     assert ours["unused_tensors"] == [] and theirs["unused_tensors"] == [], "checkpoint tensors loaded nowhere"
+    # vLLM's own M3 path returns NaN logprobs (and token 0) for some long prompts on Hopper (seen on
+    # the H200, 2026-12-03): there is nothing to compare with; ours must still be finite there.
+    broken = [p for p, steps in enumerate(theirs["logprobs"]) if any(v != v for v in steps[0].values())]
+    print(f"prompts where vLLM's own M3 gives NaN logprobs: {broken} (lengths {PROMPT_LENS} + shared prefix)")
+    assert all(v == v for steps in ours["logprobs"] for step in steps for v in step.values()), "FLASH_MSA NaN"
+    assert len(broken) < len(PROMPT_LENS), "vLLM's M3 gave NaN everywhere: no comparison"
     # bf16 paths with different kernels: a token may differ only where vLLM's top-2 are a near tie
     # (then the continuations legitimately diverge); everywhere else the tokens must be equal.
     for p, (mine, vllm_tokens) in enumerate(zip(ours["tokens"], theirs["tokens"])):
+        if p in broken:
+            continue
         for step, (a, b) in enumerate(zip(mine, vllm_tokens)):
             if a == b:
                 continue
@@ -330,8 +342,10 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model):
                 f"FLASH_MSA {mine} vs vLLM {vllm_tokens}; vLLM's top-2 logprobs {top} are no tie"
             )
             break
-    exact = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-    assert exact >= len(ours["tokens"]) - 1, f"only {exact} of {len(ours['tokens'])} prompts equal: {ours['tokens']}"
+    compared = [p for p in range(len(ours["tokens"])) if p not in broken]
+    exact = sum(ours["tokens"][p] == theirs["tokens"][p] for p in compared)
+    print(f"greedy tokens equal on {exact} of the {len(compared)} prompts compared")
+    assert exact >= len(compared) - 1, f"only {exact} of {len(compared)} prompts equal: {ours['tokens']}"
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ Gemma-RMSNorm + partial-NeoX-RoPE op (without its cache insert), then MSAAttenti
 top-k, sparse attention of kernels.ops on FLASH_MSA's K/V and proxy-key caches) and vLLM's o_proj.
 Parameter names equal vLLM's, so vLLM's M3 weight loading is used unchanged. Dense layers, MoE,
 norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
-CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); eager only under FLASH_MSA
-(config.check_minimax_m3_serving_config says why).
+CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA graphs stay on
+(config.check_minimax_m3_serving_config says how).
 """
 
 import contextlib
