@@ -13,10 +13,14 @@ import time
 from kernels import cute as cute_kernels
 from kernels.cute.combine import CombineParams
 from kernels.cute.proxy_scores import ProxyScoreParams
+from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
 from kernels.cute.sparse_attn import SparseAttentionParams
+from kernels.cute.topk_blocks import TopkBlocksParams
 
 VARIANTS = [
     ("proxy_scores", ProxyScoreParams(4, 1, 128)),
+    ("proxy_scores_prefill", PrefillProxyScoreParams(4, 1, 128)),
+    ("topk_blocks", TopkBlocksParams(16, 1, 0)),
     ("sparse_attn", SparseAttentionParams(64, 4, 4, 128)),
     ("sparse_attn", SparseAttentionParams(64, 4, 4, 128, split=True)),
     ("combine", CombineParams(64, 128)),

@@ -1,0 +1,47 @@
+"""Small MSA layer runs for compute-sanitizer: every CuTeDSL kernel, on M3 and demo shapes.
+
+    python3 kernels/bench/sanitize.py                                   # GPU machine, CuTeDSL staged
+    compute-sanitizer --tool memcheck python3 kernels/bench/sanitize.py
+    compute-sanitizer --tool racecheck python3 kernels/bench/sanitize.py
+
+Run it plainly first: the sanitized runs then load the kernels from the disk cache
+(kernels.cute.compiled_kernel) instead of compiling under the sanitizer. Each case runs
+kernels.ops.msa_attention (proxy scores: decode kernel, or the prefill kernel for a request of 64+
+new tokens; top-k; sparse attention, split-K + combine for decode) on a random paged problem whose
+unowned cache slots hold NaN, and checks the selection and output against the reference.
+"""
+
+import torch
+
+from kernels import ops, reference
+from kernels.shapes import MSAShape
+from kernels.testing import make_case
+
+M3 = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+              index_head_dim=128, topk_blocks=16)
+DEMO = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=4, num_index_key_heads=1,
+                index_head_dim=32, topk_blocks=4)
+CASES = {  # name: (shape, q_lens, seq_lens)
+    "M3 decode, ragged": (M3, [1, 1, 1, 1], [7, 300, 2100, 5000]),
+    "M3 prefill chunk": (M3, [200], [1000]),
+    "demo mixed": (DEMO, [1, 70, 1], [129, 700, 2600]),
+}
+
+
+def main() -> None:
+    for name, (shape, q_lens, seq_lens) in CASES.items():
+        case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=len(name))
+        out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
+                                          case.scale, out=torch.full_like(case.q, float("nan")))
+        scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+        want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+        want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape,
+                                          case.scale)
+        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
+        same = torch.equal(selected, want_sel)
+        print(f"{name}: {ops.describe(case.q.device, case.q.dtype, shape)}; selection equal: {same}, cosine {cos:.5f}")
+        assert same and cos >= 0.99
+
+
+if __name__ == "__main__":
+    main()
