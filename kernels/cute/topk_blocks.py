@@ -7,7 +7,8 @@ other visible blocks, ascending, -1 padded. One CTA (128 threads) per row.
 The scores arrive as their fp32 bit patterns (int32); key = bits, or bits ^ 0x7fffffff for negative
 ones, orders them as the floats. The need-th largest candidate key is built bit by bit from the top:
 the sign, then each lower bit kept if at least `need` candidates have a key >= the value with it
-set (one CTA-wide count per bit, 32 counts in all). A last pass walks the blocks in order and keeps
+set (one CTA-wide count per bit, 32 in all, and one more for the candidates above the result, which
+says how many equal to it to keep). A last pass walks the blocks in order and keeps
 the forced ones, the candidates above the threshold and the first candidates equal to it, so ties
 go to the lower block number and the output comes out sorted. Rows with no more candidates than
 slots skip the search and take every visible block.
