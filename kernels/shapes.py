@@ -107,10 +107,11 @@ class PagedBatch:
 
     @cached_property
     def positions(self) -> torch.Tensor:
-        """Position of every query token in its sequence, [num_tokens] int64; -1 for padding tokens."""
+        """Position of every query token in its sequence, [num_tokens] int32 (as the kernels take it);
+        -1 for padding tokens."""
         request = self.token_requests.long()
         tokens = torch.arange(self.num_tokens, device=request.device)
         q_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1])[request]
         offset_in_query = tokens - self.query_start_loc[request]
         positions = self.seq_lens[request] - q_lens + offset_in_query
-        return torch.where(tokens < self.query_start_loc[-1], positions, -1).long()
+        return torch.where(tokens < self.query_start_loc[-1], positions, -1).to(torch.int32)
