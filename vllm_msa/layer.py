@@ -3,9 +3,10 @@
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
 layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
 (`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
-splits its piecewise CUDA graphs there; breakable graphs break there). Each step's selection (and,
-sampled, its stage times) feeds the sparse-layer metrics (metrics.py; the model's last MSA layer
-publishes them) and, for requests marked for it, the selection log (selection_log.py).
+splits its piecewise CUDA graphs there; breakable graphs break there). The selection of the
+model's last MSA layer (for all MSA layers) and, sampled, every layer's stage times feed the
+sparse-layer metrics (metrics.py); each layer's selection feeds the selection log
+(selection_log.py) for requests marked for it.
 """
 
 import torch
@@ -28,14 +29,17 @@ from vllm_msa.proxy_cache import ProxyKeyCache
 
 class MSAAttention(nn.Module, AttentionLayerBase):
     def __init__(
-        self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str, publishes_metrics: bool
+        self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str, metrics_layers: int
     ) -> None:
-        """publishes_metrics: this is the model's last MSA layer, which publishes the step's metrics."""
+        """metrics_layers: the model's MSA layer count in its last MSA layer, which records and publishes
+        the step's selection metrics for all of them, else 0. Every MSA layer of a model has the same
+        shape and selects min(K, visible blocks) blocks per token and index head whatever the scores,
+        so one layer's counts are every layer's."""
         super().__init__()
         vllm_config = get_current_vllm_config()
         self.layer_name = prefix
         self.shape = shape
-        self.publishes_metrics = publishes_metrics
+        self.metrics_layers = metrics_layers
         self.model_name = vllm_config.model_config.served_model_name
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
@@ -105,8 +109,8 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             clock=stats.clock(),
         )
         batch = metadata.batch
-        stats.record(selected, batch.positions, s.block_size)
-        if self.publishes_metrics:
+        if self.metrics_layers:
+            stats.record(selected, batch.positions, s.block_size, layers=self.metrics_layers)
             stats.publish()
         capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
         if selection_log.labels_by_row and not capturing:

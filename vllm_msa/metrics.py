@@ -22,10 +22,11 @@ read_tokens / context_tokens; proxy time share = selection_seconds / (selection_
 attention_seconds). Timing uses CUDA events read back once the GPU has passed them (no sync; calls
 replayed from a CUDA graph are not timed), or the host clock on CPU.
 
-Cost: per MSA layer and step about a dozen small tensor ops on the [T, Hi, K] selection, on its
-device and without a host sync, so a CUDA graph records them (its padding tokens count nothing);
-on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token chunk. Once per step
-(after the last MSA layer) the 13 device totals and 3 timing totals (float64) are copied into the
+Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K] selection, counted
+for every MSA layer (each selects min(K, visible blocks) blocks per token and index head, whatever
+the scores), on its device and without a host sync, so a CUDA graph records them (its padding
+tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
+chunk. Then, once per step, the 13 device totals and 3 timing totals (float64) are copied into the
 file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
 reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
@@ -118,8 +119,9 @@ class StepStats:
         self.clocks.append(StageClock(self.device))
         return self.clocks[-1]
 
-    def record(self, selected: torch.Tensor, positions: torch.Tensor, block_size: int) -> None:
-        """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens."""
+    def record(self, selected: torch.Tensor, positions: torch.Tensor, block_size: int, layers: int = 1) -> None:
+        """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens;
+        counted for `layers` MSA layers that selected as many blocks."""
         num_tokens, num_heads, _ = selected.shape
         if num_tokens == 0:
             return
@@ -132,9 +134,9 @@ class StepStats:
         fraction = (read.double() / context.clamp(min=1)).flatten()
         sums = torch.stack([real.sum(), blocks.where(real, 0).sum(), context.where(real, 0).sum(), read.sum()])
         totals = self.totals
-        totals[0:4] += sums.double()
-        totals[4] += fraction.sum()
-        totals[5:].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double())
+        totals[0:4] += sums.double() * layers
+        totals[4] += fraction.sum() * layers
+        totals[5:].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
 
     def publish(self) -> None:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
