@@ -10,7 +10,6 @@ import json
 import math
 import socket
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
