@@ -34,6 +34,19 @@ class PagedCase:
         q0, q1 = self.batch.query_start_loc_cpu[r], self.batch.query_start_loc_cpu[r + 1]
         return keys, values, proxy, slice(q0, q1)
 
+    def dense_causal(self, r: int) -> torch.Tensor:
+        """Plain causal GQA attention of request r's queries over its whole context, [q_len, Hq, D] float64."""
+        keys, values, _, tokens = self.request_tokens(r)
+        seq_len, q_len = keys.shape[0], tokens.stop - tokens.start
+        group = self.shape.num_q_heads // self.shape.num_kv_heads
+        k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, N, D]
+        v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = self.q[tokens].double().transpose(0, 1)  # [Hq, T, D]
+        pos = torch.arange(seq_len - q_len, seq_len, device=keys.device)[:, None]
+        mask = torch.arange(seq_len, device=keys.device)[None, :] <= pos
+        s = (q @ k.transpose(1, 2)) * self.scale
+        return (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1)
+
 
 def make_case(
     shape: MSAShape,

@@ -10,7 +10,6 @@ float64 on fresh random inputs, outputs NaN-poisoned first.
 import pytest
 import torch
 
-from kernels import reference
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import make_case
 from vllm_msa.backend import FlashMSAImpl, FlashMSAMetadata, dense_flash_attn_version
@@ -24,24 +23,15 @@ BATCHES = {
 }
 
 
-def _dense(shape: MSAShape, max_blocks: int) -> MSAShape:
-    """The same layer as MSA with every block selectable: reference.sparse_attention is dense attention."""
-    return MSAShape(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.num_kv_heads, 1, 8, max_blocks)
-
-
 def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
     q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
     return FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=batch.num_tokens,
                             max_query_len=max(q_lens), max_seq_len=max(batch.seq_lens_cpu), dense_num_splits=num_splits)
 
 
-def _want(case, shape: MSAShape) -> torch.Tensor:
-    """Dense causal attention in float64."""
-    max_blocks = case.batch.block_table.shape[1]
-    dense = _dense(shape, max_blocks)
-    every = torch.arange(max_blocks, device=case.q.device).expand(case.batch.num_tokens, dense.num_index_heads, -1)
-    selected = every.masked_fill(every > (case.batch.positions // shape.block_size)[:, None, None], -1)
-    return reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, dense, case.scale)
+def _want(case) -> torch.Tensor:
+    """Dense causal attention of every request (kernels.testing), float64."""
+    return torch.cat([case.dense_causal(r) for r in range(case.batch.num_requests)])
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, cos_min: float, rel_max: float) -> None:
@@ -72,7 +62,7 @@ def test_dense_path_is_dense_causal_attention(device, batch_name):
     out = torch.full_like(case.q, float("nan"))
     impl.forward(None, case.q, None, None, case.kv_cache, _metadata(case.batch), out)
     bf16 = dtype == torch.bfloat16
-    _assert_close(out, _want(case, shape), 0.99 if bf16 else 0.999999, 1e-2 if bf16 else 1e-5)
+    _assert_close(out, _want(case), 0.99 if bf16 else 0.999999, 1e-2 if bf16 else 1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -105,4 +95,4 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _assert_close(out[:n], _want(case, shape), 0.99, 1e-2)
+    _assert_close(out[:n], _want(case), 0.99, 1e-2)

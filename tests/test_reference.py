@@ -64,20 +64,6 @@ def test_reference_matches_token_by_token_spec(shape_name, batch_name):
     assert not torch.isnan(got).any()
 
 
-def _dense_causal(case, r, q_len):
-    """Plain causal GQA attention of request r's queries over its whole context."""
-    keys, values, _, tokens = case.request_tokens(r)
-    seq_len = keys.shape[0]
-    group = case.shape.num_q_heads // case.shape.num_kv_heads
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, N, D]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    q = case.q[tokens].transpose(0, 1)  # [Hq, T, D]
-    pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    mask = torch.arange(seq_len)[None, :] <= pos
-    s = (q @ k.transpose(1, 2)) * case.scale
-    return (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1)
-
-
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_topk_covering_all_blocks_is_dense_attention(block_size):
     q_lens, seq_lens = [1, 300, 77], [1000, 300, 513]
@@ -88,7 +74,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
     )
     for r, q_len in enumerate(q_lens):
         _, _, _, tokens = case.request_tokens(r)
-        torch.testing.assert_close(got[tokens], _dense_causal(case, r, q_len), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[tokens], case.dense_causal(r), rtol=1e-12, atol=1e-12)
     # every visible block is selected, nothing else
     positions = case.batch.positions
     visible = (positions // block_size + 1).tolist()
@@ -102,7 +88,7 @@ def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
     got, selected = msa_attention(
         case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
     )
-    assert (got - _dense_causal(case, 0, 1)).abs().max() > 1e-3
+    assert (got - case.dense_causal(0)).abs().max() > 1e-3
     # Poison every page the selection did not pick: the output must not change.
     chosen_pages = {int(case.batch.block_table[0, b]) for b in selected.flatten().tolist() if b >= 0}
     for page in range(case.kv_cache.shape[0]):
