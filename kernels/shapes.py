@@ -115,3 +115,20 @@ class PagedBatch:
         offset_in_query = tokens - self.query_start_loc[request]
         positions = self.seq_lens[request] - q_lens + offset_in_query
         return torch.where(tokens < self.query_start_loc[-1], positions, -1).to(torch.int32)
+
+    def request_tiles(self, tile_tokens: int) -> torch.Tensor:
+        """[tiles, 3] int32 rows (request, first token, end token) on the batch's device: each request's
+        query tokens cut into runs of at most tile_tokens consecutive tokens (the prefill kernels'
+        tiles). Built on the host once per batch and tile size, so the layers of a step share it."""
+        cache = self.__dict__.setdefault("_request_tiles", {})
+        if tile_tokens not in cache:
+            starts = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
+            lengths = starts[1:] - starts[:-1]
+            per_request = (lengths + tile_tokens - 1) // tile_tokens
+            request = torch.repeat_interleave(torch.arange(len(lengths)), per_request)
+            first_tile = torch.cumsum(per_request, 0) - per_request
+            first = starts[request] + (torch.arange(len(request)) - first_tile[request]) * tile_tokens
+            end = torch.minimum(first + tile_tokens, starts[request + 1])
+            tiles = torch.stack((request, first, end), dim=1).to(torch.int32)
+            cache[tile_tokens] = tiles.to(self.query_start_loc.device)
+        return cache[tile_tokens]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cute import grouped_attention_supported
 from kernels.shapes import MSAShape
 from kernels.testing import make_case
 
@@ -53,6 +54,23 @@ def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a
     from kernels.cute.sparse_attn import SparseAttentionParams
 
     compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split), sm90a)
+
+
+GROUPED_PARAMS = [p for p in ATTENTION_PARAMS if grouped_attention_supported(p[0], p[2], p[3], 128)]
+
+
+def test_grouped_attention_serves_m3_and_refuses_what_it_cannot_tile():
+    assert GROUPED_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]  # m = 16, 32, 4
+    assert not grouped_attention_supported(48, 4, 128, 128)  # m = 12 does not divide 64
+    assert not grouped_attention_supported(8, 4, 32, 128)  # m = 2: 32 tokens per tile; D 32
+    assert not grouped_attention_supported(64, 4, 128, 64)  # 64-token blocks
+
+
+@pytest.mark.parametrize("hq, hkv, hi, d", GROUPED_PARAMS)
+def test_grouped_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
+    from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
+
+    compiles_and_caches("sparse_attn_prefill", GroupedAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
 
 
 @pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
@@ -153,9 +171,11 @@ ATTENTION_CASES = {
     "decode_ragged": ([1, 1, 1, 1, 1], [1, 129, 1000, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
     "decode_fewer_blocks_than_k": ([1, 1, 1], [5, 300, 1500]),
-    # prefill / chunked prefill / mixed: one split, final output written by the kernel
-    "prefill_ragged": ([300, 77, 1], [300, 1000, 2049]),
+    # prefill / chunked prefill / mixed: one split (per-token kernel), the grouped kernel's tiles
+    # cut at request ends (77, 301 tokens), chunks that start inside a block
+    "prefill_ragged": ([301, 77, 1], [301, 1000, 2049]),
     "chunked_prefill": ([256], [6000]),
+    "chunked_prefill_long": ([700, 3], [70001, 5000]),
 }
 
 
@@ -163,9 +183,12 @@ ATTENTION_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d):
+@pytest.mark.parametrize("kernel", ["per_token", "grouped"])
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel):
     from kernels import cute as cute_kernels
 
+    if kernel == "grouped" and (hq, hkv, hi, d) not in GROUPED_PARAMS:
+        pytest.skip("the grouped kernel does not serve this shape")
     shape = MSAShape(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_index_heads=hi, num_index_key_heads=1,
                      index_head_dim=64, topk_blocks=16)
     q_lens, seq_lens = ATTENTION_CASES[case_name]
@@ -173,7 +196,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d):
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
     selected = reference.select_blocks(scores, case.batch.positions, shape)
     got = cute_kernels.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale,
-                                        out=torch.full_like(case.q, float("nan")))
+                                        out=torch.full_like(case.q, float("nan")), kernel=kernel)
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)

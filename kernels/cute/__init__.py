@@ -3,7 +3,10 @@
 proxy_scores          causal max-pooled proxy block scores, decode (SIMT, every token on its own)
 proxy_scores_prefill  the same for prefill chunks (tensor cores, 64-token tiles of a request)
 topk_blocks           top-k block selection from those scores (threshold search, one CTA per row)
-sparse_attn           GQA attention over the selected blocks (tensor-core MMAs, split-K for decode)
+sparse_attn           GQA attention over the selected blocks, one token per CTA (mma.sync, split-K
+                      for decode)
+sparse_attn_prefill   the same for prefill: tiles of consecutive tokens read the union of their
+                      blocks once (TMA + warpgroup MMAs)
 combine               merges the split-K partials
 warp_mma, fake        helpers: MMA fragments, tile copies, swizzles; symbolic tensors for compiling
 
@@ -45,6 +48,21 @@ PREFILL_TILE_TOKENS = 64  # query tokens per CTA of the prefill proxy kernel (16
 def sparse_attention_supported(head_dim: int, block_size: int) -> bool:
     """Shapes the sparse attention kernel serves: 128-token blocks, head dim a multiple of 32 up to 256."""
     return block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
+
+
+GROUPED_ROWS = 64  # MMA rows of the grouped prefill attention kernel: tokens per tile x heads per index head
+
+
+def grouped_attention_supported(num_q_heads: int, num_index_heads: int, head_dim: int, block_size: int) -> bool:
+    """Shapes the grouped (prefill) sparse attention kernel serves: 128-token blocks, head dim 64 or 128,
+    m = Hq / Hi query heads per index head dividing 64 with at most 16 tokens per tile (m >= 4)."""
+    m = num_q_heads // num_index_heads
+    return block_size == 128 and head_dim in (64, 128) and 4 <= m <= GROUPED_ROWS and GROUPED_ROWS % m == 0
+
+
+def grouped_tile_tokens(shape: MSAShape) -> int:
+    """Query tokens per tile of the grouped kernel."""
+    return GROUPED_ROWS // shape.heads_per_index_head
 
 
 @functools.cache
@@ -146,12 +164,7 @@ def proxy_block_scores(
     positions = _cute(batch.positions.to(torch.int32))
     if prefill:
         out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
-        tiles = torch.tensor(
-            [(r, t, min(t + PREFILL_TILE_TOKENS, end))
-             for r, (start, end) in enumerate(zip(starts, starts[1:]))
-             for t in range(start, end, PREFILL_TILE_TOKENS)],
-            dtype=torch.int32,
-        ).to(index_q.device)
+        tiles = batch.request_tiles(PREFILL_TILE_TOKENS)
         kernel = compiled_kernel("proxy_scores_prefill", PrefillProxyScoreParams(*index_shape))
         kernel(*queries, positions, _cute(tiles), _cute(out), _stream())
     else:
@@ -185,19 +198,34 @@ def sparse_attention(
     scale: float,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.sparse_attention, for bf16 inputs on a CUDA device.
 
-    kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token,
-    head tile), chosen by sparse_attn.num_splits unless given (benchmarks sweep it).
+    kv_cache must be contiguous; q and out may be strided views. kernel: "grouped"
+    (sparse_attn_prefill.py: tiles of consecutive tokens on wgmma; not yet run on a GPU, so only on
+    request) or "per_token" (sparse_attn.py: one token per CTA, split-K for decode; the default).
+    splits: the per-token kernel's split-K CTAs per (token, head tile), chosen by
+    sparse_attn.num_splits unless given (benchmarks sweep it).
     """
     from kernels.cute.combine import CombineParams
     from kernels.cute.sparse_attn import SparseAttentionParams, num_splits, resident_ctas_per_sm
+    from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
 
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
-    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size)
     topk = selected.shape[-1]
+    if kernel == "grouped":
+        params = GroupedAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
+        compiled_kernel("sparse_attn_prefill", params)(
+            _cute(q.contiguous(), rows16=True), _cute(kv_cache, rows16=True),
+            *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
+                                 selected.to(torch.int32).contiguous(),
+                                 batch.request_tiles(params.tokens_per_tile))),
+            _cute(result, rows16=True), scale, _stream(),
+        )
+        return _into(result, out)
+    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size)
     if splits is None:
         splits, per_split = num_splits(num_tokens, params, topk, resident_ctas_per_sm(params) * _num_sms(q.device.index or 0))
     else:
@@ -211,13 +239,18 @@ def sparse_attention(
     )
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=q.device)
     if splits == 1:
-        kernel = compiled_kernel("sparse_attn", params)
-        kernel(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse), scale, per_split, _stream())
+        attend = compiled_kernel("sparse_attn", params)
+        attend(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse), scale, per_split, _stream())
     else:
-        kernel = compiled_kernel("sparse_attn", dataclasses.replace(params, split=True))
+        attend = compiled_kernel("sparse_attn", dataclasses.replace(params, split=True))
         partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=q.device)
-        kernel(*inputs, _cute(partial, rows16=True), _cute(lse), scale, per_split, _stream())
+        attend(*inputs, _cute(partial, rows16=True), _cute(lse), scale, per_split, _stream())
         compiled_kernel("combine", CombineParams(hq, d))(_cute(partial, rows16=True), _cute(lse), _cute(result, rows16=True), _stream())
+    return _into(result, out)
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's contiguous result, copied into the caller's strided `out` where it was not written in place."""
     if out is not None and result is not out:
         out.copy_(result)
         return out

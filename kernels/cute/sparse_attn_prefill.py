@@ -1,0 +1,399 @@
+"""CuTeDSL kernel (sm_90a): prefill sparse attention on warpgroup MMAs, K/V pages by TMA.
+
+Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA (one warpgroup)
+owns G consecutive query tokens of one request and one index head: its 64 MMA rows are the G tokens
+x the m = Hq / Hi query heads of that index head (G = 64 / m; 4 for MiniMax-M3). The tokens select
+their blocks independently, so the CTA reads the union of their selections once, in block order,
+and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
+the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
+up to G tokens; where they share nothing the CTA reads what G per-token CTAs would.
+
+Per union block: TMA loads the page's K and V tiles (128 keys x D) into a two-stage ring (the
+next page is in flight while this one computes), S = Q K^T (wgmma, both operands in shared
+memory), mask (unselected block, causal, keys past the request), online softmax, O += P V (wgmma,
+P from registers, V read transposed from shared memory). V rows past the request's length are
+zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the MMA.
+"""
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels.cute import GROUPED_ROWS, grouped_attention_supported
+from kernels.cute.fake import row_major
+from kernels.cute.warp_mma import quad_reduce
+
+ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
+THREADS = 128
+STAGES = 2  # K/V pages in shared memory: one computing, one loading
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class GroupedAttentionParams:
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    num_index_heads: int  # Hi
+    head_dim: int  # D
+    topk_blocks: int  # K: selection slots per (token, index head)
+    block_size: int = 128  # B: tokens per block == per page
+
+    @property
+    def heads_per_index_head(self) -> int:
+        return self.num_q_heads // self.num_index_heads
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return ROWS // self.heads_per_index_head
+
+    @property
+    def candidates(self) -> int:
+        """Selection slots of one tile: the union has at most this many blocks."""
+        return self.tokens_per_tile * self.topk_blocks
+
+
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """A warpgroup accumulator ((2, 2, N/8), 1, 1) (or its coordinate partition) as (rows, cols).
+
+    Thread l of warp w holds rows 16 w + l // 4 + 8 h and columns 8 j + 2 (l % 4) + c: as with
+    mma.sync, each row is spread over the 4 lanes of a quad.
+    """
+    s, d = t.layout.shape, cute.make_layout(t.layout.shape).stride
+    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def acc_as_a_operand(layout: cute.Layout) -> cute.Layout:
+    """The accumulator layout of S as the register A operand ((2, 2, 2), 1, (N/16, 1)) of the next
+    wgmma: a 16-key slice of A is two adjacent 8-column blocks of the accumulator."""
+    t = cute.logical_divide(layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((t.shape[0][0], t.shape[0][1], t.shape[0][2][0]), t.shape[1], (t.shape[0][2][1], t.shape[2])),
+        stride=((t.stride[0][0], t.stride[0][1], t.stride[0][2][0]), t.stride[1], (t.stride[0][2][1], t.stride[2])),
+    )
+
+
+class GroupedAttentionKernel:
+    def __init__(self, params: GroupedAttentionParams):
+        assert grouped_attention_supported(params.num_q_heads, params.num_index_heads, params.head_dim,
+                                           params.block_size)
+        assert params.num_index_heads % params.num_kv_heads == 0
+        self.p = params
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,  # [T, Hq, D] bf16
+        kv_cache: cute.Tensor,  # [pages, 2, B, Hkv, D] bf16
+        block_table: cute.Tensor,  # [R, max_blocks] int32
+        seq_lens: cute.Tensor,  # [R] int32
+        token_position: cute.Tensor,  # [T] int32
+        selected: cute.Tensor,  # [T, Hi, K] int32 logical blocks, ascending, -1 padded
+        tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
+        out: cute.Tensor,  # [T, Hq, D] bf16
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        bf16 = cutlass.BFloat16
+        # 128-byte swizzled K-major tiles (8 x 64 atoms): what TMA writes and wgmma reads.
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
+        q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim), (0, 1))
+        kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, STAGES), (0, 1, 2))
+        # One TMA descriptor over the whole cache, modes ordered (key, d, kv head, K|V, page): a
+        # (B, D) box is one page's K or V of one head; head, K|V and page are picked in the kernel.
+        kv_view = cute.make_tensor(kv_cache.iterator, cute.select(kv_cache.layout, mode=[2, 4, 3, 1, 0]))
+        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), kv_view, cute.select(kv_layout, mode=[0, 1]), (p.block_size, p.head_dim)
+        )
+        mma_qk = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
+            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (ROWS, p.block_size)
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(  # O += P V: P from registers, V^T (d contiguous)
+            bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (ROWS, p.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        chunks_per_row = p.head_dim // 8  # 16-byte chunks
+        row_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128),
+            cute.make_layout((THREADS // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1)),
+            cute.make_layout((1, 8)),
+        )
+
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, STAGES]  # TMA arrival barrier per stage
+            candidate: cute.struct.MemRange[cutlass.Int32, p.candidates]  # the tokens' selections
+            first_seen: cute.struct.MemRange[cutlass.Int32, p.candidates]  # 1: no earlier token has it
+            union_block: cute.struct.MemRange[cutlass.Int32, p.candidates]  # distinct blocks, ascending
+            union_tokens: cute.struct.MemRange[cutlass.Int32, p.candidates]  # bit g: token g selected it
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+
+        self.kernel(
+            q, tma_kv, block_table, seq_lens, token_position, selected, tiles, out, scale * LOG2_E,
+            tma_atom, mma_qk, mma_pv, row_copy, q_layout, kv_layout, Storage,
+        ).launch(
+            grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
+            block=[THREADS, 1, 1],
+            smem=Storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        tma_kv: cute.Tensor,
+        block_table: cute.Tensor,
+        seq_lens: cute.Tensor,
+        token_position: cute.Tensor,
+        selected: cute.Tensor,
+        tiles: cute.Tensor,
+        out: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        tma_atom: cute.CopyAtom,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        row_copy: cute.TiledCopy,
+        q_layout: cute.ComposedLayout,
+        kv_layout: cute.ComposedLayout,
+        Storage: cutlass.Constexpr,
+    ):
+        p = self.p
+        f32 = cutlass.Float32
+        m, g_max, k_max = p.heads_per_index_head, p.tokens_per_tile, p.topk_blocks
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, index_head, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        request = tiles[tile, 0]
+        first = tiles[tile, 1]
+        num_tokens = tiles[tile, 2] - first
+        kv_head = index_head * m // (p.num_q_heads // p.num_kv_heads)
+        seq_len = seq_lens[request]
+        tx_bytes = 2 * p.block_size * p.head_dim * 2  # K + V tiles, bf16
+
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        full = storage.full.data_ptr()
+        candidate = storage.candidate.get_tensor(cute.make_layout(p.candidates))
+        first_seen = storage.first_seen.get_tensor(cute.make_layout(p.candidates))
+        union_block = storage.union_block.get_tensor(cute.make_layout(p.candidates))
+        union_tokens = storage.union_tokens.get_tensor(cute.make_layout(p.candidates))
+        # wgmma takes affine shared-memory layouts: the swizzle goes into the pointer.
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sVt = cute.composition(sV, cute.make_ordered_layout((p.head_dim, p.block_size, STAGES), order=(1, 0, 2)))
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(STAGES):
+                    cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+
+        # The union of the tokens' selections: each distinct block once, ascending, with the bit set
+        # of the tokens that selected it.
+        for c in range(tidx, p.candidates, THREADS):
+            block = cutlass.Int32(-1)
+            if c // k_max < num_tokens:
+                block = selected[first + c // k_max, index_head, c % k_max]
+            candidate[c] = block
+        cute.arch.sync_threads()
+        for c in range(tidx, p.candidates, THREADS):
+            block = candidate[c]
+            seen = cutlass.Int32(0)
+            if block >= 0:
+                seen = 1
+                for other in range(c - c % k_max):
+                    if candidate[other] == block:
+                        seen = 0
+            first_seen[c] = seen
+        cute.arch.sync_threads()
+        union_size = cutlass.Int32(0)
+        for c in range(p.candidates):
+            union_size += first_seen[c]
+        for c in range(tidx, p.candidates, THREADS):
+            if first_seen[c] != 0:
+                block = candidate[c]
+                rank = cutlass.Int32(0)
+                tokens = cutlass.Int32(0)
+                for other in range(p.candidates):
+                    if first_seen[other] != 0 and candidate[other] < block:
+                        rank += 1
+                    if candidate[other] == block:
+                        tokens = tokens | (cutlass.Int32(1) << (other // k_max))
+                union_block[rank] = block
+                union_tokens[rank] = tokens
+        cute.arch.sync_threads()
+
+        gKV = cute.local_tile(tma_kv[None, None, kv_head, None, None], (p.block_size, p.head_dim), (0, 0, None, None))
+        tKs, tKVg = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2)
+        )
+        tVs, _ = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gKV, 0, 2)
+        )
+        if warp == 0 and union_size > 0:
+            self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[0]], 0, tx_bytes)
+
+        # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's
+        # tokens are zero.
+        thr_copy = row_copy.get_slice(tidx)
+        q_by_head = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 0, 2]))  # (Hq, T, D)
+        gQ = cute.group_modes(cute.local_tile(
+            cute.domain_offset((index_head * m, first, 0), q_by_head), (m, g_max, p.head_dim), (0, 0, 0)
+        ), 0, 2)
+        tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
+        tQc = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
+        for i in cutlass.range_constexpr(cute.size(tQs, mode=[1])):
+            if tQc[0, i, 0][0] // m < num_tokens:
+                cute.copy(row_copy, tQg[None, i, None], tQs[None, i, None])
+            else:
+                tQs[None, i, None].fill(0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, then read by wgmma (async proxy)
+        cute.arch.sync_threads()
+
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, p.head_dim)), f32)
+        acc_o.fill(0.0)
+        acc_o_mn = acc_rows_cols(acc_o)
+        score_coords = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((ROWS, p.block_size))))
+        out_coords = acc_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, p.head_dim))))
+        rows = cute.size(acc_o_mn, mode=[0])
+        row_max = cute.make_rmem_tensor((rows,), f32)
+        row_sum = cute.make_rmem_tensor((rows,), f32)
+        row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)  # this thread's rows: token in the tile
+        row_position = cute.make_rmem_tensor((rows,), cutlass.Int32)  # and its position (keys <= it)
+        row_max.fill(-f32.inf)
+        row_sum.fill(0.0)
+        for r in cutlass.range_constexpr(rows):
+            row_token[r] = score_coords[r, 0][0] // m
+            row_position[r] = -1
+            if row_token[r] < num_tokens:
+                row_position[r] = token_position[first + row_token[r]]
+        all_tokens = (cutlass.Int32(1) << num_tokens) - 1
+        earliest = token_position[first]
+        tVc = thr_copy.partition_D(cute.make_identity_tensor((p.block_size, p.head_dim)))
+
+        for u in cutlass.range(union_size, unroll=1):
+            stage = u % STAGES
+            if warp == 0 and u + 1 < union_size:  # the other stage was released at the end of u - 1
+                self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + 1]],
+                               1 - stage, tx_bytes)
+            block = union_block[u]
+            tokens = union_tokens[u]
+            first_key = block * p.block_size
+            cute.arch.mbarrier_wait(full + stage, (u // STAGES) % 2)
+
+            # S = Q K^T over the head dim
+            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
+            qk = cute.make_mma_atom(mma_qk.op)
+            qk.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
+                qk.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # Mask (block not selected by the row's token, keys after its position), online softmax.
+            acc_s_mn = acc_rows_cols(acc_s)
+            masked = cutlass.Int32(0)  # every token selected the block and sees all of it: no mask
+            if tokens != all_tokens:
+                masked = 1
+            if first_key + p.block_size - 1 > earliest:
+                masked = 1
+            for r in cutlass.range_constexpr(rows):
+                if masked != 0:
+                    last_key = first_key - 1  # keys the row sees: none unless its token selected the block
+                    if (tokens >> row_token[r]) & 1 != 0:
+                        last_key = row_position[r]
+                    for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+                        if first_key + score_coords[r, c][1] > last_key:
+                            acc_s_mn[r, c] = -f32.inf
+                scores = acc_s_mn[r, None].load()
+                new_max = quad_reduce(scores.reduce(cute.ReductionOp.MAX, -f32.inf, 0), cute.arch.fmax)
+                new_max = cute.arch.fmax(new_max, row_max[r])
+                safe_max = 0.0 if new_max == -f32.inf else new_max
+                probs = cute.math.exp2(scores * scale_log2 - safe_max * scale_log2, fastmath=True)
+                rescale = cute.math.exp2(row_max[r] * scale_log2 - safe_max * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * rescale + probs.reduce(cute.ReductionOp.ADD, f32.zero, 0)
+                row_max[r] = new_max
+                acc_s_mn[r, None] = probs
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale
+            tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((ROWS, p.block_size)), cutlass.BFloat16)
+            tOrP.store(cute.make_tensor(acc_s.iterator, acc_as_a_operand(acc_s.layout)).load().to(cutlass.BFloat16))
+
+            # V rows past the request (stale slots of its last page) are zeroed: P is 0 there, but
+            # 0 * NaN is not.
+            valid_keys = seq_len - first_key
+            if valid_keys < p.block_size:
+                tVs_stage = thr_copy.partition_D(sV[None, None, stage])
+                for i in cutlass.range_constexpr(cute.size(tVs_stage, mode=[1])):
+                    if tVc[0, i, 0][0] >= valid_keys:
+                        tVs_stage[None, i, None].fill(0)
+                cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # O += P V over the page's keys
+            warpgroup.fence()
+            pv = cute.make_mma_atom(mma_pv.op)
+            pv.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.gemm(pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is done with this stage before it is refilled
+
+        # Epilogue: normalise and store the rows of the tile's tokens.
+        for r in cutlass.range_constexpr(rows):
+            total = quad_reduce(row_sum[r], lambda a, b: a + b)
+            inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
+            if row_token[r] < num_tokens:
+                token = first + row_token[r]
+                head = index_head * m + out_coords[r, 0][0] % m
+                for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                    out[token, head, out_coords[r, c][1]] = (acc_o_mn[r, c] * inv).to(cutlass.BFloat16)
+
+    @cute.jit
+    def load_page(self, tma_atom, tKVg, tKs, tVs, full, page, stage, tx_bytes: cutlass.Constexpr):
+        """TMA the K and V tiles of `page` into `stage`; arrival on that stage's barrier (warp 0 calls)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, tx_bytes)
+        cute.copy(tma_atom, tKVg[None, 0, page], tKs[None, stage], tma_bar_ptr=full + stage)
+        cute.copy(tma_atom, tKVg[None, 1, page], tVs[None, stage], tma_bar_ptr=full + stage)
+
+
+def fake_arguments(params: GroupedAttentionParams):
+    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+    bf16, i32 = cutlass.BFloat16, cutlass.Int32
+    return (
+        row_major(bf16, 3, align=16),  # q
+        row_major(bf16, 5, align=16),  # kv_cache
+        row_major(i32, 2),  # block_table
+        row_major(i32, 1),  # seq_lens
+        row_major(i32, 1),  # token_position
+        row_major(i32, 3),  # selected
+        row_major(i32, 2),  # tiles
+        row_major(bf16, 3, align=16),  # out
+        cutlass.Float32(1.0),
+        make_fake_stream(),
+    )
+
+
+def compile_kernel(params: GroupedAttentionParams):
+    return cute.compile(GroupedAttentionKernel(params), *fake_arguments(params))
