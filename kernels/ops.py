@@ -4,8 +4,9 @@
     proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py for decode batches,
                       proxy_scores_prefill.py once a request has 64+ new tokens), else reference
     top-k selection   CuTeDSL on sm_90 (kernels/cute/topk_blocks.py) for fp32 scores, else reference
-    sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn_prefill.py once a request brings a
-                      whole tile of new tokens, else sparse_attn.py + combine.py), else reference
+    sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn_prefill.py + sparse_attn.py for the
+                      tiles it leaves once a request brings a whole tile of new tokens, else
+                      sparse_attn.py + combine.py), else reference
 """
 
 import functools

@@ -49,11 +49,11 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("split", [False, True])
-def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
+@pytest.mark.parametrize("split, gated", [(False, False), (True, False), (False, True)])
+def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, sm90a):
     from kernels.cute.sparse_attn import SparseAttentionParams
 
-    compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split), sm90a)
+    compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
 
 
 GROUPED_PARAMS = [p for p in ATTENTION_PARAMS if grouped_attention_supported(p[0], p[2], p[3], 128)]
@@ -183,8 +183,10 @@ ATTENTION_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("kernel", ["per_token", "grouped"])
-def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel):
+@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("grouped", 10**6), ("grouped", 24)],
+                         ids=["per_token", "grouped", "grouped_and_per_token"])
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
+    """grouped_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
     from kernels import cute as cute_kernels
 
     if kernel == "grouped" and (hq, hkv, hi, d) not in GROUPED_PARAMS:
@@ -196,7 +198,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
     selected = reference.select_blocks(scores, case.batch.positions, shape)
     got = cute_kernels.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale,
-                                        out=torch.full_like(case.q, float("nan")), kernel=kernel)
+                                        out=torch.full_like(case.q, float("nan")), kernel=kernel, max_union=max_union)
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)

@@ -60,6 +60,9 @@ def grouped_attention_supported(num_q_heads: int, num_index_heads: int, head_dim
     return block_size == 128 and head_dim in (64, 128) and 4 <= m <= GROUPED_ROWS and GROUPED_ROWS % m == 0
 
 
+GROUPED_MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
+
+
 def grouped_tile_tokens(shape: MSAShape) -> int:
     """Query tokens per tile of the grouped kernel."""
     return GROUPED_ROWS // shape.heads_per_index_head
@@ -199,12 +202,15 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     kernel: str | None = None,
+    max_union: int | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.sparse_attention, for bf16 inputs on a CUDA device.
 
     kv_cache must be contiguous; q and out may be strided views. kernel: "grouped"
-    (sparse_attn_prefill.py: tiles of consecutive tokens on wgmma; not yet run on a GPU, so only on
-    request) or "per_token" (sparse_attn.py: one token per CTA, split-K for decode; the default).
+    (sparse_attn_prefill.py: tiles of consecutive tokens on wgmma, and the per-token kernel for the
+    tiles whose union of blocks exceeds max_union, default GROUPED_MAX_UNION x K per token) or
+    "per_token" (sparse_attn.py: one token per CTA, split-K for decode). By default grouped when a
+    request brings a whole tile of new tokens (prefill) and the kernel serves the shape.
     splits: the per-token kernel's split-K CTAs per (token, head tile), chosen by
     sparse_attn.num_splits unless given (benchmarks sweep it).
     """
@@ -215,17 +221,29 @@ def sparse_attention(
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     topk = selected.shape[-1]
+    if kernel is None:
+        starts = batch.query_start_loc_cpu
+        prefill = any(end - start >= grouped_tile_tokens(shape) for start, end in zip(starts, starts[1:]))
+        supported = grouped_attention_supported(hq, shape.num_index_heads, d, shape.block_size)
+        kernel = "grouped" if prefill and supported else "per_token"
+    handled = None
     if kernel == "grouped":
-        params = GroupedAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
-        compiled_kernel("sparse_attn_prefill", params)(
+        grouped = GroupedAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
+        if max_union is None:
+            max_union = round(GROUPED_MAX_UNION * grouped.tokens_per_tile * topk)
+        handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
+        compiled_kernel("sparse_attn_prefill", grouped)(
             _cute(q.contiguous(), rows16=True), _cute(kv_cache, rows16=True),
             *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
                                  selected.to(torch.int32).contiguous(),
-                                 batch.request_tiles(params.tokens_per_tile))),
-            _cute(result, rows16=True), scale, _stream(),
+                                 batch.request_tiles(grouped.tokens_per_tile))),
+            _cute(result, rows16=True), _cute(handled), max_union, scale, _stream(),
         )
-        return _into(result, out)
-    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size)
+        if max_union >= grouped.candidates:  # every tile was served
+            return _into(result, out)
+        splits = 1
+    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size,
+                                   gated=handled is not None)
     if splits is None:
         splits, per_split = num_splits(num_tokens, params, topk, resident_ctas_per_sm(params) * _num_sms(q.device.index or 0))
     else:
@@ -240,11 +258,12 @@ def sparse_attention(
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=q.device)
     if splits == 1:
         attend = compiled_kernel("sparse_attn", params)
-        attend(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse), scale, per_split, _stream())
+        attend(*inputs, _cute(result.view(1, num_tokens, hq, d), rows16=True), _cute(lse),
+               None if handled is None else _cute(handled), scale, per_split, _stream())
     else:
         attend = compiled_kernel("sparse_attn", dataclasses.replace(params, split=True))
         partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=q.device)
-        attend(*inputs, _cute(partial, rows16=True), _cute(lse), scale, per_split, _stream())
+        attend(*inputs, _cute(partial, rows16=True), _cute(lse), None, scale, per_split, _stream())
         compiled_kernel("combine", CombineParams(hq, d))(_cute(partial, rows16=True), _cute(lse), _cute(result, rows16=True), _stream())
     return _into(result, out)
 

@@ -42,6 +42,7 @@ class SparseAttentionParams:
     block_size: int = 128  # B: tokens per block == per page
     tile_keys: int = 64  # keys per K/V shared-memory stage
     split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
+    gated: bool = False  # skip the (token, index head) rows that `handled` marks (the grouped kernel's)
 
     @property
     def heads_per_index_head(self) -> int:
@@ -77,6 +78,7 @@ class SparseAttentionKernel:
         selected: cute.Tensor,  # [T, Hi, K] int32 logical blocks, ascending, -1 padded
         out: cute.Tensor,  # [S, T, Hq, D]: bf16 final output (S == 1), or fp32 partials (split)
         out_lse: cute.Tensor,  # [S, T, Hq] fp32
+        handled: cute.Tensor | None,  # [T, Hi] int32, gated only: nonzero rows are already written
         scale: cutlass.Float32,
         slots_per_split: cutlass.Int32,
         stream: cuda.CUstream,
@@ -99,7 +101,7 @@ class SparseAttentionKernel:
         num_splits = cute.size(out, mode=[0])
         num_tokens = cute.size(q, mode=[0])
         self.kernel(
-            q, kv_cache, block_table, seq_lens, token_request, token_position, selected, out, out_lse,
+            q, kv_cache, block_table, seq_lens, token_request, token_position, selected, out, out_lse, handled,
             scale * LOG2_E, scale, slots_per_split, q_layout, kv_layout, gmem_copy, mma, Storage,
         ).launch(
             grid=[num_tokens, num_splits, p.num_index_heads * p.head_chunks],
@@ -120,6 +122,7 @@ class SparseAttentionKernel:
         selected: cute.Tensor,
         out: cute.Tensor,
         out_lse: cute.Tensor,
+        handled: cute.Tensor | None,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
         slots_per_split: cutlass.Int32,
@@ -152,6 +155,12 @@ class SparseAttentionKernel:
             if selected[token, index_head, s] >= 0:
                 num_valid += 1
         num_tiles = num_valid * p.tiles_per_block
+        skipped = cutlass.Int32(0)
+        if cutlass.const_expr(p.gated):
+            skipped = handled[token, index_head]
+        if skipped != 0:
+            num_valid = 0
+            num_tiles = 0
         if num_valid > 0:
             last_block = selected[token, index_head, slot0 + num_valid - 1]
             if last_block == position // p.block_size:
@@ -255,7 +264,7 @@ class SparseAttentionKernel:
             total = quad_reduce(row_sum[r], lambda a, b: a + b)
             inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
             row = out_coords[r, 0][0]
-            if row < rows:
+            if row < rows and skipped == 0:
                 for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                     value = acc_o_mn[r, c] * inv
                     if cutlass.const_expr(p.split):
@@ -301,6 +310,7 @@ def fake_arguments(params: SparseAttentionParams):
         row_major(i32, 3),  # selected
         row_major(f32 if params.split else bf16, 4, align=16),  # out
         row_major(f32, 3),  # out_lse
+        row_major(i32, 2) if params.gated else None,  # handled
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         make_fake_stream(),

@@ -30,7 +30,6 @@ from kernels.cute.warp_mma import quad_reduce
 
 ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
 THREADS = 128
-STAGES = 2  # K/V pages in shared memory: one computing, one loading
 LOG2_E = 1.4426950408889634
 
 
@@ -42,6 +41,7 @@ class GroupedAttentionParams:
     head_dim: int  # D
     topk_blocks: int  # K: selection slots per (token, index head)
     block_size: int = 128  # B: tokens per block == per page
+    stages: int = 1  # K/V pages per CTA: 1 lets two CTAs share an SM (one computes while the other loads)
 
     @property
     def heads_per_index_head(self) -> int:
@@ -97,6 +97,8 @@ class GroupedAttentionKernel:
         selected: cute.Tensor,  # [T, Hi, K] int32 logical blocks, ascending, -1 padded
         tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
         out: cute.Tensor,  # [T, Hq, D] bf16
+        handled: cute.Tensor,  # [T, Hi] int32 out: 1 where this kernel wrote the rows, 0 where it left them
+        max_union: cutlass.Int32,  # tiles whose union has more blocks are left to the per-token kernel
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
@@ -105,7 +107,7 @@ class GroupedAttentionKernel:
         # 128-byte swizzled K-major tiles (8 x 64 atoms): what TMA writes and wgmma reads.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
         q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim), (0, 1))
-        kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, STAGES), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, p.stages), (0, 1, 2))
         # One TMA descriptor over the whole cache, modes ordered (key, d, kv head, K|V, page): a
         # (B, D) box is one page's K or V of one head; head, K|V and page are picked in the kernel.
         kv_view = cute.make_tensor(kv_cache.iterator, cute.select(kv_cache.layout, mode=[2, 4, 3, 1, 0]))
@@ -128,7 +130,7 @@ class GroupedAttentionKernel:
 
         @cute.struct
         class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, STAGES]  # TMA arrival barrier per stage
+            full: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival barrier per stage
             candidate: cute.struct.MemRange[cutlass.Int32, p.candidates]  # the tokens' selections
             first_seen: cute.struct.MemRange[cutlass.Int32, p.candidates]  # 1: no earlier token has it
             union_block: cute.struct.MemRange[cutlass.Int32, p.candidates]  # distinct blocks, ascending
@@ -138,7 +140,7 @@ class GroupedAttentionKernel:
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
 
         self.kernel(
-            q, tma_kv, block_table, seq_lens, token_position, selected, tiles, out, scale * LOG2_E,
+            q, tma_kv, block_table, seq_lens, token_position, selected, tiles, out, handled, max_union, scale * LOG2_E,
             tma_atom, mma_qk, mma_pv, row_copy, q_layout, kv_layout, Storage,
         ).launch(
             grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
@@ -158,6 +160,8 @@ class GroupedAttentionKernel:
         selected: cute.Tensor,
         tiles: cute.Tensor,
         out: cute.Tensor,
+        handled: cute.Tensor,
+        max_union: cutlass.Int32,
         scale_log2: cutlass.Float32,
         tma_atom: cute.CopyAtom,
         mma_qk: cute.TiledMma,
@@ -190,12 +194,12 @@ class GroupedAttentionKernel:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sVt = cute.composition(sV, cute.make_ordered_layout((p.head_dim, p.block_size, STAGES), order=(1, 0, 2)))
+        sVt = cute.composition(sV, cute.make_ordered_layout((p.head_dim, p.block_size, p.stages), order=(1, 0, 2)))
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
             with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(STAGES):
+                for s in cutlass.range_constexpr(p.stages):
                     cute.arch.mbarrier_init(full + s, 1)
             cute.arch.mbarrier_init_fence()
 
@@ -220,6 +224,14 @@ class GroupedAttentionKernel:
         union_size = cutlass.Int32(0)
         for c in range(p.candidates):
             union_size += first_seen[c]
+        # A tile whose tokens share few blocks costs more here (64 rows per block) than G
+        # per-token CTAs (16 rows each): leave it to them.
+        done = cutlass.Int32(1)
+        if union_size > max_union:
+            done = 0
+            union_size = 0
+        for g in range(tidx, num_tokens, THREADS):
+            handled[first + g, index_head] = done
         for c in range(tidx, p.candidates, THREADS):
             if first_seen[c] != 0:
                 block = candidate[c]
@@ -241,8 +253,10 @@ class GroupedAttentionKernel:
         tVs, _ = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gKV, 0, 2)
         )
-        if warp == 0 and union_size > 0:
-            self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[0]], 0, tx_bytes)
+        if warp == 0:
+            for s in cutlass.range_constexpr(p.stages):
+                if s < union_size:
+                    self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[s]], s, tx_bytes)
 
         # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's
         # tokens are zero.
@@ -290,14 +304,11 @@ class GroupedAttentionKernel:
         tVc = thr_copy.partition_D(cute.make_identity_tensor((p.block_size, p.head_dim)))
 
         for u in cutlass.range(union_size, unroll=1):
-            stage = u % STAGES
-            if warp == 0 and u + 1 < union_size:  # the other stage was released at the end of u - 1
-                self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + 1]],
-                               1 - stage, tx_bytes)
+            stage = u % p.stages
             block = union_block[u]
             tokens = union_tokens[u]
             first_key = block * p.block_size
-            cute.arch.mbarrier_wait(full + stage, (u // STAGES) % 2)
+            cute.arch.mbarrier_wait(full + stage, (u // p.stages) % 2)
 
             # S = Q K^T over the head dim
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
@@ -357,13 +368,16 @@ class GroupedAttentionKernel:
                 cute.gemm(pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            cute.arch.sync_threads()  # every warp is done with this stage before it is refilled
+            cute.arch.sync_threads()  # every warp is done with this stage: refill it
+            if warp == 0 and u + p.stages < union_size:
+                self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + p.stages]],
+                               stage, tx_bytes)
 
         # Epilogue: normalise and store the rows of the tile's tokens.
         for r in cutlass.range_constexpr(rows):
             total = quad_reduce(row_sum[r], lambda a, b: a + b)
             inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
-            if row_token[r] < num_tokens:
+            if row_token[r] < num_tokens and done != 0:
                 token = first + row_token[r]
                 head = index_head * m + out_coords[r, 0][0] % m
                 for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
@@ -390,6 +404,8 @@ def fake_arguments(params: GroupedAttentionParams):
         row_major(i32, 3),  # selected
         row_major(i32, 2),  # tiles
         row_major(bf16, 3, align=16),  # out
+        row_major(i32, 2),  # handled
+        cutlass.Int32(0),  # max_union
         cutlass.Float32(1.0),
         make_fake_stream(),
     )
