@@ -4,8 +4,9 @@
 
 M3 shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, k 16, bf16. Ceilings measured in the same run:
 device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA on contiguous K/V
-(the backend it picked is printed). Block selections come from random proxy scores (the kernels'
-cost does not depend on which blocks are picked, only on how many).
+(the backend it picked is printed). Block selections come from random block scores: decode cost
+depends only on how many blocks are picked; prefill attention's on how many neighbouring tokens
+share (bench_prefill_attention.py measures that).
 
 decode:  one query token per sequence; sparse attention bytes = K/V of the selected blocks;
          MSA layer = proxy scores + top-k + sparse attention (kernels.ops.msa_attention). Timed inside

@@ -7,7 +7,8 @@
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
 (kernels.cute.compiled_kernel) instead of compiling under the sanitizer. Each case runs
 kernels.ops.msa_attention (proxy scores: decode kernel, or the prefill kernel for a request of 64+
-new tokens; top-k; sparse attention, split-K + combine for decode) on a random paged problem whose
+new tokens; top-k; sparse attention: split-K + combine for decode, the grouped prefill kernel and
+the per-token kernel for the tiles it leaves for a prefill chunk) on a random paged problem whose
 unowned cache slots hold NaN, and checks the selection and output against the reference.
 """
 

@@ -9,7 +9,9 @@ online softmax, O += P V.
 
 Decode has few tokens, so the selected blocks of a (token, index head) are split across CTAs:
 each split writes its normalised fp32 partial output and log-sum-exp, and combine.py merges them.
-With one split the kernel writes the final bf16 output (prefill, chunked prefill).
+With one split the kernel writes the final bf16 output (large decode batches; prefill tokens of
+tiles that sparse_attn_prefill.py leaves: the gated variant skips the (token, index head) rows
+that kernel marked handled).
 
 Keys past the request's length are zero-filled in shared memory, so stale cache slots (NaN in the
 tests) never reach the MMAs.

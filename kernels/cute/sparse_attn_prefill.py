@@ -6,10 +6,12 @@ x the m = Hq / Hi query heads of that index head (G = 64 / m; 4 for MiniMax-M3).
 their blocks independently, so the CTA reads the union of their selections once, in block order,
 and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
 the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
-up to G tokens; where they share nothing the CTA reads what G per-token CTAs would.
+up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
+MMA rows: a tile whose union exceeds `max_union` blocks is left to the per-token kernel
+(sparse_attn.py, gated on the `handled` flags this kernel writes).
 
-Per union block: TMA loads the page's K and V tiles (128 keys x D) into a two-stage ring (the
-next page is in flight while this one computes), S = Q K^T (wgmma, both operands in shared
+Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
+(default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
 memory), mask (unselected block, causal, keys past the request), online softmax, O += P V (wgmma,
 P from registers, V read transposed from shared memory). V rows past the request's length are
 zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the MMA.
