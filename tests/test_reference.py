@@ -157,6 +157,18 @@ def test_paged_batch_positions():
     assert batch.positions.tolist() == [9, 0, 1, 2]
 
 
+def test_request_tiles_cover_each_request_in_runs_of_consecutive_tokens():
+    # requests of 1, 0, 129, 128 and 5 query tokens
+    batch = PagedBatch(query_start_loc=torch.tensor([0, 1, 1, 130, 258, 263]), seq_lens=torch.tensor([9, 4, 300, 128, 5]),
+                       block_table=torch.zeros(5, 3, dtype=torch.int32))
+    tiles = batch.request_tiles(64)
+    assert tiles.dtype == torch.int32
+    assert tiles.tolist() == [[0, 0, 1], [2, 1, 65], [2, 65, 129], [2, 129, 130], [3, 130, 194], [3, 194, 258],
+                              [4, 258, 263]]
+    assert batch.request_tiles(64) is tiles  # built once per batch: the layers of a step share it
+    assert batch.request_tiles(4)[:, 2].sub(batch.request_tiles(4)[:, 1]).sum() == 263  # every token once
+
+
 def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     """A CUDA graph replays on vLLM's padded batch: 2 real requests, 2 padding ones (seq_len 0)."""
     shape = _shape()
