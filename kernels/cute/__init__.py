@@ -8,7 +8,8 @@ sparse_attn           GQA attention over the selected blocks, one token per CTA 
 sparse_attn_prefill   the same for prefill: tiles of consecutive tokens read the union of their
                       blocks once (TMA + warpgroup MMAs)
 combine               merges the split-K partials
-warp_mma, fake        helpers: MMA fragments, tile copies, swizzles; symbolic tensors for compiling
+warp_mma, fake        helpers: MMA fragments, online softmax rows, tile copies, swizzles; symbolic
+                      tensors for compiling
 
 Kernels compile once per parameter set (compiled_kernel: in memory per process, exported object
 files on disk across processes) and are called with the torch tensors converted through dlpack on

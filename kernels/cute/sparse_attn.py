@@ -29,7 +29,9 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import sparse_attention_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import as_a_operand, copy_rows, quad_reduce, row_copy, rows_cols, swizzled_rows
+from kernels.cute.warp_mma import (
+    as_a_operand, copy_rows, online_softmax_row, quad_reduce, row_copy, rows_cols, swizzled_rows,
+)
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -239,16 +241,7 @@ class SparseAttentionKernel:
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
                     if first_key + score_coords[r, c][1] > position:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
-                scores = acc_s_mn[r, None].load()
-                new_max = quad_reduce(scores.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0), cute.arch.fmax)
-                new_max = cute.arch.fmax(new_max, row_max[r])
-                safe_max = 0.0 if new_max == -cutlass.Float32.inf else new_max
-                probs = cute.math.exp2(scores * scale_log2 - safe_max * scale_log2, fastmath=True)
-                rescale = cute.math.exp2(row_max[r] * scale_log2 - safe_max * scale_log2, fastmath=True)
-                row_sum[r] = row_sum[r] * rescale + probs.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
-                row_max[r] = new_max
-                acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale
-                acc_s_mn[r, None] = probs
+                online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
 
             # O += P V over the tile's keys
             r_p = cute.make_fragment_like(acc_s, bf16)

@@ -28,7 +28,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import GROUPED_ROWS, grouped_attention_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import quad_reduce
+from kernels.cute.warp_mma import online_softmax_row, quad_reduce
 
 ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
 THREADS = 128
@@ -338,16 +338,7 @@ class GroupedAttentionKernel:
                     for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
                         if first_key + score_coords[r, c][1] > last_key:
                             acc_s_mn[r, c] = -f32.inf
-                scores = acc_s_mn[r, None].load()
-                new_max = quad_reduce(scores.reduce(cute.ReductionOp.MAX, -f32.inf, 0), cute.arch.fmax)
-                new_max = cute.arch.fmax(new_max, row_max[r])
-                safe_max = 0.0 if new_max == -f32.inf else new_max
-                probs = cute.math.exp2(scores * scale_log2 - safe_max * scale_log2, fastmath=True)
-                rescale = cute.math.exp2(row_max[r] * scale_log2 - safe_max * scale_log2, fastmath=True)
-                row_sum[r] = row_sum[r] * rescale + probs.reduce(cute.ReductionOp.ADD, f32.zero, 0)
-                row_max[r] = new_max
-                acc_s_mn[r, None] = probs
-                acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale
+                online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
             tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((ROWS, p.block_size)), cutlass.BFloat16)
             tOrP.store(cute.make_tensor(acc_s.iterator, acc_as_a_operand(acc_s.layout)).load().to(cutlass.BFloat16))
 

@@ -1,4 +1,6 @@
-"""Register-fragment helpers for warp-level tensor-core MMAs (mma.sync m16n8k16) in CuTeDSL kernels."""
+"""Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments and
+tile copies; the row helpers (quad_reduce, online_softmax_row) also serve warpgroup MMA accumulators,
+whose rows are spread over the 4 lanes of a quad the same way."""
 
 import cutlass
 import cutlass.cute as cute
@@ -28,6 +30,26 @@ def quad_reduce(value, op):
     for offset in (2, 1):
         value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset, mask=-1, mask_and_clamp=31))
     return value
+
+
+@cute.jit
+def online_softmax_row(scores: cute.Tensor, out: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                       r: cutlass.Constexpr, scale_log2: cutlass.Float32):
+    """Online softmax step for accumulator row r of (rows, cols) views (a row spread over a quad):
+    the row's scores (masked keys at -inf) become probabilities against the new running max, in
+    place, and its output accumulator and running sum are rescaled to that max. A row that has seen
+    no visible key keeps max -inf and sum 0."""
+    f32 = cutlass.Float32
+    values = scores[r, None].load()
+    new_max = quad_reduce(values.reduce(cute.ReductionOp.MAX, -f32.inf, 0), cute.arch.fmax)
+    new_max = cute.arch.fmax(new_max, row_max[r])
+    safe_max = 0.0 if new_max == -f32.inf else new_max
+    probs = cute.math.exp2(values * scale_log2 - safe_max * scale_log2, fastmath=True)
+    rescale = cute.math.exp2(row_max[r] * scale_log2 - safe_max * scale_log2, fastmath=True)
+    row_sum[r] = row_sum[r] * rescale + probs.reduce(cute.ReductionOp.ADD, f32.zero, 0)
+    row_max[r] = new_max
+    out[r, None] = out[r, None].load() * rescale
+    scores[r, None] = probs
 
 
 def swizzled_rows(dim: int, rows: int, *stages: int):
