@@ -85,6 +85,12 @@ class PagedBatch:
     def seq_lens_cpu(self) -> list[int]:
         return self.seq_lens.tolist()
 
+    @cached_property
+    def max_query_len(self) -> int:
+        """Most query tokens of one request (0 for an empty batch): what picks the prefill kernels."""
+        starts = self.query_start_loc_cpu
+        return max((end - start for start, end in zip(starts, starts[1:])), default=0)
+
     @property
     def num_requests(self) -> int:
         return self.seq_lens.shape[0]

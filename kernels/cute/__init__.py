@@ -157,10 +157,8 @@ def proxy_block_scores(
     from kernels.cute.proxy_scores import ProxyScoreParams
     from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
 
-    starts = batch.query_start_loc_cpu
-    prefill = prefill_proxy_scores_supported(shape.index_head_dim, shape.block_size) and any(
-        end - start >= PREFILL_TILE_TOKENS for start, end in zip(starts, starts[1:])
-    )
+    prefill = (prefill_proxy_scores_supported(shape.index_head_dim, shape.block_size)
+               and batch.max_query_len >= PREFILL_TILE_TOKENS)
     size = (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1])
     index_shape = (shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
     queries = (_cute(index_q.contiguous(), rows16=True), _cute(proxy_cache, rows16=True),
@@ -223,10 +221,14 @@ def sparse_attention(
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     topk = selected.shape[-1]
     if kernel is None:
-        starts = batch.query_start_loc_cpu
-        prefill = any(end - start >= grouped_tile_tokens(shape) for start, end in zip(starts, starts[1:]))
         supported = grouped_attention_supported(hq, shape.num_index_heads, d, shape.block_size)
-        kernel = "grouped" if prefill and supported else "per_token"
+        kernel = "grouped" if supported and batch.max_query_len >= grouped_tile_tokens(shape) else "per_token"
+    # converted once: the grouped kernel and the per-token kernel for the tiles it leaves share them
+    q_, kv_, table, lens, positions, selected_ = (
+        _cute(q.contiguous(), rows16=True), _cute(kv_cache, rows16=True),
+        *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
+                             selected.to(torch.int32).contiguous())),
+    )
     handled = None
     if kernel == "grouped":
         grouped = GroupedAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
@@ -234,10 +236,7 @@ def sparse_attention(
             max_union = round(GROUPED_MAX_UNION * grouped.tokens_per_tile * topk)
         handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
         compiled_kernel("sparse_attn_prefill", grouped)(
-            _cute(q.contiguous(), rows16=True), _cute(kv_cache, rows16=True),
-            *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
-                                 selected.to(torch.int32).contiguous(),
-                                 batch.request_tiles(grouped.tokens_per_tile))),
+            q_, kv_, table, lens, positions, selected_, _cute(batch.request_tiles(grouped.tokens_per_tile)),
             _cute(result, rows16=True), _cute(handled), max_union, scale, _stream(),
         )
         if max_union >= grouped.candidates:  # every tile was served
@@ -250,12 +249,7 @@ def sparse_attention(
     else:
         per_split = -(-topk // splits)
         splits = -(-topk // per_split)
-    inputs = (
-        _cute(q.contiguous(), rows16=True),
-        _cute(kv_cache, rows16=True),
-        *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.token_requests,
-                             batch.positions.to(torch.int32), selected.to(torch.int32).contiguous())),
-    )
+    inputs = (q_, kv_, table, lens, _cute(batch.token_requests), positions, selected_)
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=q.device)
     if splits == 1:
         attend = compiled_kernel("sparse_attn", params)
