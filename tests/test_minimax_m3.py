@@ -12,6 +12,7 @@ illegal memory access on the tiny one, 2026-12-02): model classes, weight covera
     python3 -m pytest -q tests/test_minimax_m3.py
 """
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -261,6 +262,9 @@ def run_engine(model_dir, flash_msa: bool) -> dict:
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model ships this module's functions
     if not flash_msa:
         env["VLLM_PLUGINS"] = ""  # no general plugins: vLLM's registry entry for M3 stays vLLM's
+    else:  # vLLM finds plugins by their installed entry point, not on PYTHONPATH
+        plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")]
+        assert "vllm_msa:register" in plugins, "the vllm_msa plugin is not installed here: pip install --no-deps ."
     args = [sys.executable, __file__, str(model_dir), "FLASH_MSA" if flash_msa else ""]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, f"engine failed ({'FLASH_MSA' if flash_msa else 'vLLM'}):\n{out.stderr[-6000:]}"

@@ -1,7 +1,7 @@
 """CuTeDSL kernels for Hopper (sm_90a), behind the same functions as kernels.reference.
 
 proxy_scores          causal max-pooled proxy block scores, decode (SIMT, every token on its own)
-proxy_scores_prefill  the same for prefill chunks (tensor cores, 64-token tiles of a request)
+proxy_scores_prefill  the same for prefill chunks (TMA + warpgroup MMAs, 64-token tiles of a request)
 topk_blocks           top-k block selection from those scores (threshold search, one CTA per row)
 sparse_attn           GQA attention over the selected blocks, one token per CTA (mma.sync, split-K
                       for decode)
@@ -43,7 +43,7 @@ def prefill_proxy_scores_supported(index_head_dim: int, block_size: int) -> bool
     return block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
 
 
-PREFILL_TILE_TOKENS = 64  # query tokens per CTA of the prefill proxy kernel (16 per warp)
+PREFILL_TILE_TOKENS = 64  # query tokens per CTA of the prefill proxy kernel (the warpgroup MMA's M)
 
 
 def sparse_attention_supported(head_dim: int, block_size: int) -> bool:
@@ -151,7 +151,7 @@ def proxy_block_scores(
 ) -> torch.Tensor:
     """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on a CUDA device.
 
-    Batches with a request of PREFILL_TILE_TOKENS or more query tokens run the tensor-core prefill
+    Batches with a request of PREFILL_TILE_TOKENS or more query tokens run the warpgroup-MMA prefill
     kernel (all of their tokens, in 64-token tiles); others the SIMT decode kernel.
     """
     from kernels.cute.proxy_scores import ProxyScoreParams

@@ -1,14 +1,20 @@
-"""CuTeDSL kernel: proxy block scores for prefill chunks on tensor cores (mma.sync m16n8k16).
+"""CuTeDSL kernel (sm_90a): proxy block scores for prefill chunks on warpgroup MMAs, proxy keys by TMA.
 
 Computes reference.proxy_block_scores for the query tokens of a tile of one request: out[t, h, b]
-= max over visible keys j of block b of index_q[t, h] . proxy_key[j, h // (Hi / Hki)]. One CTA
-(4 warps, 64 query tokens, 16 a warp) per (tile, index head) walks the request's blocks up to the
-tile's last visible one: the block's 128 proxy keys come in through a two-stage cp.async ring,
-S = Q K^T on the tensor cores, keys past each row's position are masked, and each row's max is
-reduced over its quad and stored. This is the quadratic part of an MSA prefill; the decode path
-(few tokens a request) is proxy_scores.py.
+= max over visible keys j of block b of index_q[t, h] . proxy_key[j, h // (Hi / Hki)]. This is the
+quadratic part of an MSA prefill; the decode path (few tokens a request) is proxy_scores.py.
 
-Blocks past a tile's last visible block are not written: the caller fills out with -inf.
+A CTA owns 64 consecutive query tokens of one request and W index heads that read the same proxy-key
+head (W = Hi / Hki, at most 4): one warpgroup per index head, 64 MMA rows each, so every proxy-key
+block it loads feeds W x 64 rows. It walks the request's blocks up to the tile's last visible one:
+TMA brings each block's 128 keys into a ring of `stages` pages, each warpgroup computes S = Q K^T
+(wgmma, both operands in shared memory), masks keys past each row's position (only the one or two
+blocks on the tile's diagonal need it) and stores each row's max. The warpgroups run independently
+(one's masking and stores overlap another's MMAs); a page is refilled once all of them released it.
+Tiles are launched last first: the causal work grows along the request, so the longest tiles start
+in the first wave.
+
+Blocks past a row's position are not written: the caller fills out with -inf.
 """
 
 from dataclasses import dataclass
@@ -16,14 +22,16 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import PREFILL_TILE_TOKENS, prefill_proxy_scores_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import copy_rows, quad_reduce, row_copy, rows_cols, swizzled_rows
+from kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy
 
-WARPS = 4
+WARPGROUP = 128
+SMEM_BYTES = 220 * 1024  # of the 227 KB a CTA may use: the rest for barriers and alignment
 
 
 @dataclass(frozen=True)
@@ -31,12 +39,27 @@ class PrefillProxyScoreParams:
     num_index_heads: int  # Hi
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
-    block_size: int = 128  # B: keys a stage
+    block_size: int = 128  # B: keys a page
+
+    @property
+    def heads_per_cta(self) -> int:
+        """W: index heads of one proxy-key head that share a CTA (one warpgroup each)."""
+        group = self.num_index_heads // self.num_index_key_heads
+        heads = max(w for w in (1, 2, 4) if group % w == 0)
+        while heads > 1 and self._smem(heads, 2) > SMEM_BYTES:
+            heads //= 2
+        return heads
+
+    @property
+    def stages(self) -> int:
+        """Proxy-key pages in flight: as many as fit next to the queries, up to 4."""
+        return max(s for s in (1, 2, 3, 4) if s == 1 or self._smem(self.heads_per_cta, s) <= SMEM_BYTES)
+
+    def _smem(self, heads: int, stages: int) -> int:
+        return 2 * self.index_head_dim * (heads * PREFILL_TILE_TOKENS + stages * self.block_size)
 
 
 class PrefillProxyScoreKernel:
-    threads = 32 * WARPS
-
     def __init__(self, params: PrefillProxyScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
         assert prefill_proxy_scores_supported(params.index_head_dim, params.block_size)
@@ -55,23 +78,35 @@ class PrefillProxyScoreKernel:
     ):
         p = self.p
         bf16 = cutlass.BFloat16
-        q_layout = swizzled_rows(p.index_head_dim, PREFILL_TILE_TOKENS)
-        k_layout = swizzled_rows(p.index_head_dim, p.block_size, 2)
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(sm90_utils.LayoutEnum.ROW_MAJOR, bf16, p.index_head_dim), bf16
+        )
+        q_layout = cute.tile_to_shape(atom, (PREFILL_TILE_TOKENS, p.index_head_dim, p.heads_per_cta), (0, 1, 2))
+        k_layout = cute.tile_to_shape(atom, (p.block_size, p.index_head_dim, p.stages), (0, 1, 2))
+        # TMA over the whole cache, modes (key, d, key head, page): a (B, Dp) box is one page of one head.
+        keys = cute.make_tensor(proxy_cache.iterator, cute.select(proxy_cache.layout, mode=[1, 3, 2, 0]))
+        tma_atom, tma_keys = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), keys, cute.select(k_layout, mode=[0, 1]), (p.block_size, p.index_head_dim)
+        )
+        mma = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
+            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
+            (PREFILL_TILE_TOKENS, p.block_size),
+        )
+        q_copy = row_copy(bf16, WARPGROUP, p.index_head_dim, cpasync.CopyG2SOp())
 
         @cute.struct
         class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival per page
+            empty: cute.struct.MemRange[cutlass.Int64, p.stages]  # every warp done with the page
             sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(k_layout)], 1024]
 
-        gmem_copy = row_copy(bf16, self.threads, p.index_head_dim, cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
-        mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16)), (WARPS, 1, 1), permutation_mnk=(PREFILL_TILE_TOKENS, 16, 16)
-        )
         self.kernel(
-            index_q, proxy_cache, block_table, token_position, tiles, out, q_layout, k_layout, gmem_copy, mma, Storage
+            index_q, tma_keys, block_table, token_position, tiles, out, tma_atom, mma, q_copy, q_layout, k_layout,
+            Storage,
         ).launch(
-            grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
-            block=[self.threads, 1, 1],
+            grid=[cute.size(tiles, mode=[0]), p.num_index_heads // p.heads_per_cta, 1],
+            block=[WARPGROUP * p.heads_per_cta, 1, 1],
             smem=Storage.size_in_bytes(),
             stream=stream,
         )
@@ -80,99 +115,127 @@ class PrefillProxyScoreKernel:
     def kernel(
         self,
         index_q: cute.Tensor,
-        proxy_cache: cute.Tensor,
+        tma_keys: cute.Tensor,
         block_table: cute.Tensor,
         token_position: cute.Tensor,
         tiles: cute.Tensor,
         out: cute.Tensor,
+        tma_atom: cute.CopyAtom,
+        mma: cute.TiledMma,
+        q_copy: cute.TiledCopy,
         q_layout: cute.ComposedLayout,
         k_layout: cute.ComposedLayout,
-        gmem_copy: cute.TiledCopy,
-        mma: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
         p = self.p
-        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
-        tile, head, _ = cute.arch.block_idx()
+        launch_tile, head_group, _ = cute.arch.block_idx()
+        num_tiles, _, _ = cute.arch.grid_dim()
+        tile = num_tiles - 1 - launch_tile  # the request's last (longest) tiles first
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        group = warp // 4  # warpgroup: one index head
+        wg_tidx = tidx % WARPGROUP
+        head = head_group * p.heads_per_cta + group
         key_head = head // (p.num_index_heads // p.num_index_key_heads)
         request = tiles[tile, 0]
         first_token = tiles[tile, 1]
         num_rows = tiles[tile, 2] - first_token
+        earliest = token_position[first_token]
         num_blocks = token_position[first_token + num_rows - 1] // p.block_size + 1
+        tx_bytes = p.block_size * p.index_head_dim * 2
 
         storage = cutlass.utils.SmemAllocator().allocate(Storage)
-        sQ = storage.sQ.get_tensor(q_layout)
-        sK = storage.sK.get_tensor(k_layout)
-        thr_copy = gmem_copy.get_slice(tidx)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        # wgmma takes affine shared-memory layouts: the swizzle goes into the pointer.
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
 
-        # The tile's index queries; rows past the request's tokens are zero and never stored.
+        gK = cute.local_tile(tma_keys[None, None, key_head, None], (p.block_size, p.index_head_dim), (0, 0, None))
+        tKs, tKg = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(p.stages):
+                    cute.arch.mbarrier_init(full + s, 1)
+                    cute.arch.mbarrier_init(empty + s, 4 * p.heads_per_cta)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # barriers initialised before any thread uses them
+        if warp == 0:
+            for s in cutlass.range_constexpr(p.stages):
+                if s < num_blocks:
+                    self.load_page(tma_atom, tKg, tKs, full, block_table[request, s], s, tx_bytes)
+
+        # This warpgroup's index queries; rows past the request's tokens are zero and never stored.
         tile_shape = (PREFILL_TILE_TOKENS, p.index_head_dim)
         gQ = cute.local_tile(cute.domain_offset((first_token, 0), index_q[None, head, None]), tile_shape, (0, 0))
-        copy_rows(gmem_copy, thr_copy, gQ, sQ, num_rows, tile_shape)
-
-        thr_mma = mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-        ldmatrix = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
-        copy_q = cute.make_tiled_copy_A(ldmatrix, mma).get_slice(tidx)
-        copy_k = cute.make_tiled_copy_B(ldmatrix, mma).get_slice(tidx)
-        tSsQ = copy_q.partition_S(sQ)
-        tSrQ_view = copy_q.retile(tSrQ)
-        tSrK_view = copy_k.retile(tSrK)
-        score_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((PREFILL_TILE_TOKENS, p.block_size))))
-
-        # Position of each accumulator row this thread holds (-1 past the request's tokens).
-        acc_shape = thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size))
-        num_my_rows = cute.size(score_coords, mode=[0])
-        row_position = cute.make_rmem_tensor((num_my_rows,), cutlass.Int32)
-        for r in cutlass.range_constexpr(num_my_rows):
-            row = score_coords[r, 0][0]
-            row_position[r] = -1
-            if row < num_rows:
-                row_position[r] = token_position[first_token + row]
-
-        self._load_block(proxy_cache, block_table, request, key_head, 0, 0, sK, thr_copy, gmem_copy)
+        thr_copy = q_copy.get_slice(wg_tidx)
+        copy_rows(q_copy, thr_copy, gQ, sQ[None, None, group], num_rows, tile_shape)
         cute.arch.cp_async_commit_group()
-        for block in range(num_blocks):
-            stage = block % 2
-            if block + 1 < num_blocks:
-                self._load_block(proxy_cache, block_table, request, key_head, block + 1, 1 - stage, sK, thr_copy,
-                                 gmem_copy)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_threads()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, then read by wgmma (async proxy)
+        cute.arch.sync_threads()
 
-            tSsK = copy_k.partition_S(sK[None, None, stage])
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            acc.fill(0.0)
-            for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
-                cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
-                cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
-                cute.gemm(mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+        thr_mma = mma.get_slice(wg_tidx)
+        tSrQ = mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, group]))
+        tSrK = mma.make_fragment_B(thr_mma.partition_B(sK))
+        score_coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((PREFILL_TILE_TOKENS, p.block_size))))
+        rows = cute.size(score_coords, mode=[0])
+        row_position = cute.make_rmem_tensor((rows,), cutlass.Int32)  # -1 past the request's tokens
+        for r in cutlass.range_constexpr(rows):
+            row_position[r] = -1
+            if score_coords[r, 0][0] < num_rows:
+                row_position[r] = token_position[first_token + score_coords[r, 0][0]]
 
-            acc_mn = rows_cols(acc)
+        for block in cutlass.range(num_blocks, unroll=1):
+            stage = block % p.stages
+            # The producer refills the page released one block ago, once every warp is done with it.
+            if warp == 0 and block > 0 and block - 1 + p.stages < num_blocks:
+                released = (block - 1) % p.stages
+                cute.arch.mbarrier_wait(empty + released, ((block - 1) // p.stages) % 2)
+                self.load_page(tma_atom, tKg, tKs, full, block_table[request, block - 1 + p.stages], released,
+                               tx_bytes)
+            cute.arch.mbarrier_wait(full + stage, (block // p.stages) % 2)
+
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size)), f32)
+            qk = cute.make_mma_atom(mma.op)
+            qk.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                cute.gemm(qk, acc, tSrQ[None, None, k], tSrK[None, None, k, stage], acc)
+                qk.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + stage)
+
+            # Each row's max over the keys it sees; masks only where the block reaches past the
+            # tile's first token.
+            acc_mn = acc_rows_cols(acc)
             first_key = block * p.block_size
-            for r in cutlass.range_constexpr(num_my_rows):
-                best = -cutlass.Float32.inf
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    if first_key + score_coords[r, c][1] <= row_position[r]:
-                        best = cute.arch.fmax(best, acc_mn[r, c])
+            diagonal = first_key + p.block_size - 1 > earliest
+            for r in cutlass.range_constexpr(rows):
+                best = -f32.inf
+                if diagonal:
+                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                        if first_key + score_coords[r, c][1] <= row_position[r]:
+                            best = cute.arch.fmax(best, acc_mn[r, c])
+                else:
+                    best = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -f32.inf, 0)
                 best = quad_reduce(best, cute.arch.fmax)
-                if tidx % 4 == 0 and first_key <= row_position[r]:
+                if lane % 4 == 0 and first_key <= row_position[r]:
                     out[first_token + score_coords[r, 0][0], head, block] = best
-            cute.arch.sync_threads()
 
     @cute.jit
-    def _load_block(self, proxy_cache, block_table, request, key_head, block, stage, sK, thr_copy, gmem_copy):
-        """cp.async the block's proxy keys into stage `stage` (slots past the request's length hold
-        stale keys; their scores are masked)."""
-        p = self.p
-        page = block_table[request, block]
-        keys = cute.local_tile(proxy_cache[page, None, key_head, None], (p.block_size, p.index_head_dim), (0, 0))
-        src = thr_copy.partition_S(keys)
-        dst = thr_copy.partition_D(sK[None, None, stage])
-        cute.copy(gmem_copy, src, dst)
+    def load_page(self, tma_atom, tKg, tKs, full, page, stage, tx_bytes: cutlass.Constexpr):
+        """TMA one page of proxy keys into `stage`; arrival on that stage's barrier (warp 0 calls)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, tx_bytes)
+        cute.copy(tma_atom, tKg[None, page], tKs[None, stage], tma_bar_ptr=full + stage)
 
 
 def fake_arguments(params: PrefillProxyScoreParams):

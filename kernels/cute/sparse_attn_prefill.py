@@ -28,7 +28,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import GROUPED_ROWS, grouped_attention_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import online_softmax_row, quad_reduce
+from kernels.cute.warp_mma import acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce
 
 ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
 THREADS = 128
@@ -57,28 +57,6 @@ class GroupedAttentionParams:
     def candidates(self) -> int:
         """Selection slots of one tile: the union has at most this many blocks."""
         return self.tokens_per_tile * self.topk_blocks
-
-
-def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """A warpgroup accumulator ((2, 2, N/8), 1, 1) (or its coordinate partition) as (rows, cols).
-
-    Thread l of warp w holds rows 16 w + l // 4 + 8 h and columns 8 j + 2 (l % 4) + c: as with
-    mma.sync, each row is spread over the 4 lanes of a quad.
-    """
-    s, d = t.layout.shape, cute.make_layout(t.layout.shape).stride
-    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-def acc_as_a_operand(layout: cute.Layout) -> cute.Layout:
-    """The accumulator layout of S as the register A operand ((2, 2, 2), 1, (N/16, 1)) of the next
-    wgmma: a 16-key slice of A is two adjacent 8-column blocks of the accumulator."""
-    t = cute.logical_divide(layout, ((None, None, 2), None, None))
-    return cute.make_layout(
-        ((t.shape[0][0], t.shape[0][1], t.shape[0][2][0]), t.shape[1], (t.shape[0][2][1], t.shape[2])),
-        stride=((t.stride[0][0], t.stride[0][1], t.stride[0][2][0]), t.stride[1], (t.stride[0][2][1], t.stride[2])),
-    )
 
 
 class GroupedAttentionKernel:

@@ -1,6 +1,7 @@
-"""Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments and
-tile copies; the row helpers (quad_reduce, online_softmax_row) also serve warpgroup MMA accumulators,
-whose rows are spread over the 4 lanes of a quad the same way."""
+"""Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments
+(rows_cols, as_a_operand), warpgroup MMA accumulators (acc_rows_cols, acc_as_a_operand) and tile
+copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of accumulator, whose rows
+are spread over the 4 lanes of a quad the same way."""
 
 import cutlass
 import cutlass.cute as cute
@@ -22,6 +23,28 @@ def as_a_operand(layout: cute.Layout) -> cute.Layout:
     return cute.make_layout(
         ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
         stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+    )
+
+
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """A warpgroup accumulator ((2, 2, N/8), 1, 1) (or its coordinate partition) as (rows, cols).
+
+    Thread l of warp w holds rows 16 w + l // 4 + 8 h and columns 8 j + 2 (l % 4) + c: as with
+    mma.sync, each row is spread over the 4 lanes of a quad.
+    """
+    s, d = t.layout.shape, cute.make_layout(t.layout.shape).stride
+    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def acc_as_a_operand(layout: cute.Layout) -> cute.Layout:
+    """The accumulator layout of S as the register A operand ((2, 2, 2), 1, (N/16, 1)) of the next
+    wgmma: a 16-key slice of A is two adjacent 8-column blocks of the accumulator."""
+    t = cute.logical_divide(layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((t.shape[0][0], t.shape[0][1], t.shape[0][2][0]), t.shape[1], (t.shape[0][2][1], t.shape[2])),
+        stride=((t.stride[0][0], t.stride[0][1], t.stride[0][2][0]), t.stride[1], (t.stride[0][2][1], t.stride[2])),
     )
 
 
