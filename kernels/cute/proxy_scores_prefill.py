@@ -28,7 +28,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import PREFILL_TILE_TOKENS, prefill_proxy_scores_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy
+from kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 
 WARPGROUP = 128
 SMEM_BYTES = 220 * 1024  # of the 227 KB a CTA may use: the rest for barriers and alignment
@@ -202,14 +202,7 @@ class PrefillProxyScoreKernel:
             cute.arch.mbarrier_wait(full + stage, (block // p.stages) % 2)
 
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size)), f32)
-            qk = cute.make_mma_atom(mma.op)
-            qk.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(qk, acc, tSrQ[None, None, k], tSrK[None, None, k, stage], acc)
-                qk.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            warpgroup_gemm_nt(mma, acc, tSrQ, tSrK, stage)
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
 

@@ -28,7 +28,9 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute import GROUPED_ROWS, grouped_attention_supported
 from kernels.cute.fake import row_major
-from kernels.cute.warp_mma import acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce
+from kernels.cute.warp_mma import (
+    acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt,
+)
 
 ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
 THREADS = 128
@@ -292,14 +294,7 @@ class GroupedAttentionKernel:
 
             # S = Q K^T over the head dim
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
-            qk = cute.make_mma_atom(mma_qk.op)
-            qk.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                cute.gemm(qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_s)
-                qk.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            warpgroup_gemm_nt(mma_qk, acc_s, tSrQ, tSrK, stage)
 
             # Mask (block not selected by the row's token, keys after its position), online softmax.
             acc_s_mn = acc_rows_cols(acc_s)

@@ -1,10 +1,11 @@
 """Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments
-(rows_cols, as_a_operand), warpgroup MMA accumulators (acc_rows_cols, acc_as_a_operand) and tile
-copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of accumulator, whose rows
+(rows_cols, as_a_operand), warpgroup MMAs (warpgroup_gemm_nt; accumulators: acc_rows_cols,
+acc_as_a_operand) and tile copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of accumulator, whose rows
 are spread over the 4 lanes of a quad the same way."""
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
 
 
 def rows_cols(acc: cute.Tensor) -> cute.Tensor:
@@ -46,6 +47,21 @@ def acc_as_a_operand(layout: cute.Layout) -> cute.Layout:
         ((t.shape[0][0], t.shape[0][1], t.shape[0][2][0]), t.shape[1], (t.shape[0][2][1], t.shape[2])),
         stride=((t.stride[0][0], t.stride[0][1], t.stride[0][2][0]), t.stride[1], (t.stride[0][2][1], t.stride[2])),
     )
+
+
+@cute.jit
+def warpgroup_gemm_nt(mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, stage):
+    """acc = A B^T on warpgroup MMAs, the fragments of A (MMA, M, K) and of B's buffer `stage`
+    (MMA, N, K, stages) in shared memory; returns once the MMAs are done, so the caller may read acc
+    and release that buffer."""
+    atom = cute.make_mma_atom(mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k, stage], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
 
 
 def quad_reduce(value, op):
