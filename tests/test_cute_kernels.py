@@ -12,7 +12,7 @@ from kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-PROXY_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32)]  # (Hi, Hki, Dp)
+PROXY_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
 
 
 @pytest.fixture
