@@ -24,9 +24,8 @@ BATCHES = {
 
 
 def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
-    q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
     return FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=batch.num_tokens,
-                            max_query_len=max(q_lens), max_seq_len=max(batch.seq_lens_cpu), dense_num_splits=num_splits)
+                            max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens_cpu), dense_num_splits=num_splits)
 
 
 def _want(case) -> torch.Tensor:

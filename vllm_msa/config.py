@@ -115,6 +115,12 @@ class MSAModelConfig:
     def is_sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
+    def metrics_layers(self, num_layers: int, layer_index: int) -> int:
+        """MSAAttention's metrics_layers for this layer: the model's MSA layer count in its last MSA layer,
+        which records the step's selection metrics for all of them, else 0."""
+        sparse = self.sparse_layers(num_layers)
+        return len(sparse) if layer_index == sparse[-1] else 0
+
     def layer_shape(self, hf_config) -> MSAShape:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

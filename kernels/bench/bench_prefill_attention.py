@@ -36,7 +36,7 @@ from kernels.shapes import MSAShape, PagedBatch
 
 SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                  index_head_dim=128, topk_blocks=16)
-GROUP = 4  # tokens per grouped tile for M3 (64 rows / 16 heads per index head)
+GROUP = cute_kernels.grouped_tile_tokens(SHAPE)  # tokens per grouped tile: 4 for M3 (64 rows / 16 heads)
 
 
 def correlated_scores(tokens: int, blocks: int, window: int, generator: torch.Generator) -> torch.Tensor:

@@ -10,6 +10,8 @@ the same parameters side by side (an earlier commit's file copied there under an
 
 import argparse
 
+import torch
+
 from kernels import cute as cute_kernels
 from kernels import ops
 from kernels.bench.bench_sparse_attention import SHAPE, paged_problem
@@ -19,8 +21,6 @@ from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
 
 def proxy_time(module, index_q, proxy, batch) -> float:
     """One kernel call per iteration on prepared arguments (the -inf fill and conversions excluded)."""
-    import torch
-
     params = PrefillProxyScoreParams(SHAPE.num_index_heads, SHAPE.num_index_key_heads, SHAPE.index_head_dim)
     kernel = cute_kernels.compiled_kernel(module, params)
     out = torch.full((batch.num_tokens, SHAPE.num_index_heads, batch.block_table.shape[1]), float("-inf"),

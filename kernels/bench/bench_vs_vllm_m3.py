@@ -235,9 +235,8 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
     kv_cache, index_cache = vllm_caches(case, dtype)
     seq_lens, table, hkv = batch.seq_lens, batch.block_table, shape.num_kv_heads
     max_seq_len = max(batch.seq_lens_cpu)
-    q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
-    k, init, local = shape.topk_blocks, shape.init_blocks, shape.local_blocks
-    if max(q_lens) == 1:  # vLLM's decode split (reorder threshold 1): every request is a decode
+    max_q, k, init, local = batch.max_query_len, shape.topk_blocks, shape.init_blocks, shape.local_blocks
+    if max_q == 1:  # vLLM's decode split (reorder threshold 1): every request is a decode
 
         def index():
             return index_topk.minimax_m3_index_decode(index_q, index_cache, table, seq_lens, max_seq_len, k, init,
@@ -250,17 +249,18 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
 
     else:
         cu_seqlens_q = batch.query_start_loc
+        q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
         context_lens = seq_lens - torch.tensor(q_lens, dtype=torch.int32, device=seq_lens.device)
 
         def index():
             score = index_topk.minimax_m3_index_score(index_q, index_cache, table, cu_seqlens_q, seq_lens,
-                                                      context_lens, max(q_lens), max_seq_len, hkv)
-            return index_topk.minimax_m3_index_topk(score, cu_seqlens_q, context_lens, max(q_lens), k, init, local)
+                                                      context_lens, max_q, max_seq_len, hkv)
+            return index_topk.minimax_m3_index_topk(score, cu_seqlens_q, context_lens, max_q, k, init, local)
 
         def attention(topk):
             out = torch.empty_like(q)
             sparse_attn.minimax_m3_sparse_attn(q, kv_cache, topk, table, cu_seqlens_q, seq_lens, context_lens,
-                                               max(q_lens), hkv, case.scale, out)
+                                               max_q, hkv, case.scale, out)
             return out
 
     return Steps(index, attention, lambda: attention(index()))
@@ -289,11 +289,10 @@ def dense_steps(case: PagedCase) -> tuple[str, Callable[[], torch.Tensor]]:
         return f"SDPA {name}", run
     func, version = flash_attn()
     k_cache, v_cache = case.kv_cache[:, 0].contiguous(), case.kv_cache[:, 1].contiguous()
-    max_q = max(e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:]))
     out = torch.empty_like(case.q)
 
     def run():
-        return func(case.q, k_cache, v_cache, max_seqlen_q=max_q, cu_seqlens_q=batch.query_start_loc,
+        return func(case.q, k_cache, v_cache, max_seqlen_q=batch.max_query_len, cu_seqlens_q=batch.query_start_loc,
                     max_seqlen_k=max(batch.seq_lens_cpu), seqused_k=batch.seq_lens, softmax_scale=case.scale,
                     causal=True, block_table=batch.block_table, out=out, fa_version=version)
 

@@ -163,7 +163,7 @@ def proxy_block_scores(
     index_shape = (shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
     queries = (_cute(index_q.contiguous(), rows16=True), _cute(proxy_cache, rows16=True),
                _cute(batch.block_table.to(torch.int32)))
-    positions = _cute(batch.positions.to(torch.int32))
+    positions = _cute(batch.positions)
     if prefill:
         out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
         tiles = batch.request_tiles(PREFILL_TILE_TOKENS)

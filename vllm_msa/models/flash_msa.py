@@ -54,9 +54,8 @@ class FlashMSAAttention(nn.Module):
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
-        sparse = msa.sparse_layers(config.num_hidden_layers)
         self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=len(sparse) if extract_layer_index(prefix) == sparse[-1] else 0)
+                                 metrics_layers=msa.metrics_layers(config.num_hidden_layers, extract_layer_index(prefix)))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

@@ -61,9 +61,8 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             shape.head_dim, max_position=config.max_position_embeddings,
             rope_parameters={"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
         )
-        sparse = msa.sparse_layers(config.num_hidden_layers)
         self.attn = MSAAttention(shape, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=len(sparse) if layer_id == sparse[-1] else 0)
+                                 metrics_layers=msa.metrics_layers(config.num_hidden_layers, layer_id))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
