@@ -1,8 +1,9 @@
-"""Smoke test of the staged vLLM 0.26.0 on the GPU machine (after `source serve/gpu/install_vllm.sh`).
+"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after `source serve/gpu/install_vllm.sh`).
 
     python3 serve/gpu/check_vllm.py
 
-Checks, each timed and reported PASS/WARN/FAIL: vllm imports and its version; the CUDA extensions
+Checks, each timed and reported PASS/WARN/FAIL: torch is the staged one (not the image's); vllm imports
+and its version; the CUDA extensions
 (vllm._C_stable_libtorch, _moe_C_stable_libtorch) load and are the CUDA 13 build; the FLASH_ATTN
 backend imports and picks FA3 on this GPU; a small paged FA3 attention call matches PyTorch, also when
 replayed from a CUDA graph; the MiniMax-M3 sparse ops import (common/ops: Triton; nvidia/ops:
@@ -65,7 +66,8 @@ dev = torch.device("cuda")
 def _():
     import vllm
     where = os.path.dirname(vllm.__file__)
-    assert vllm.__version__.startswith("0.26.0"), f"version {vllm.__version__}"
+    assert vllm.__version__.startswith("0.34."), f"version {vllm.__version__}"
+    assert torch.__version__.startswith("2.14.0"), f"torch {torch.__version__} from {torch.__file__}: not the staged 2.14.0"
     return f"vllm {vllm.__version__} from {where}"
 
 

@@ -2,7 +2,7 @@
 # them, unpack the wheels and install them into /tmp/site (VLLM_SITE overrides), then set
 # PYTHONPATH and PATH. Safe to source again on a warm machine: it skips an install already done.
 # Installs with pip --no-deps --no-index --target, as ../shared/devkit/install.sh does; the kit holds
-# CuTeDSL 4.6.0 too, so that kit is not needed beside this one.
+# CuTeDSL 4.8.0 too, so that kit is not needed beside this one.
 _vk=/tmp/devkit-vllm
 _vsite=${VLLM_SITE:-/tmp/site}
 _vsha=$(cut -d' ' -f1 "$_vk/SHA256" 2>/dev/null)
@@ -38,5 +38,5 @@ case ":${PYTHONPATH:-}:" in
   *) export PYTHONPATH=$_vsite:$_vsite/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} ;;
 esac
 case ":$PATH:" in *":$_vsite/bin:"*) ;; *) export PATH=$_vsite/bin:$PATH ;; esac
-echo "devkit-vllm: vllm 0.26.0 installed in $_vsite (PYTHONPATH and PATH set)"
+echo "devkit-vllm: vllm $(cat "$_vsite"/vllm-*.dist-info/METADATA | sed -n 's/^Version: //p') installed in $_vsite (PYTHONPATH and PATH set)"
 unset _vk _vsite _vsha _vt _vn _vhave

@@ -3,16 +3,19 @@
     python3 serve/gpu/kit.py resolve REPORT.json KINDS.md LOCK ROOT...  # pip's resolution -> what the GPU lacks
     python3 serve/gpu/kit.py repack SRC_DIR DST_DIR [--keep-fa2]  # stored (uncompressed) wheels, vLLM trimmed
 
-`resolve` reads a `pip install --dry-run --report` of vllm==0.26.0 for cp312/manylinux x86_64 and keeps
+`resolve` reads a `pip install --dry-run --report` of vLLM (the ROOTs) for cp312/manylinux x86_64 and keeps
 the packages reachable from the ROOTs (vllm, locust) through Requires-Dist (markers evaluated for Linux x86_64 CPython
 3.12, extras followed) without passing through one the GPU machine already has (KINDS.md's list) or
 one we never carry (SKIP, DROP). One version each: pip's resolver already chose it.
 
 `repack` rewrites every wheel with ZIP_STORED members so that the xz pass over the whole kit sees the
 raw bytes (GPU binaries repeat over megabytes: xz packs FA3's 146 MB into 10 MB where the wheel's
-deflate needs 37 MB), and removes DROP_FILES from the vllm wheel, with their RECORD lines.
-Hashes in RECORD stay valid: they are of the uncompressed file contents.
+deflate needs 37 MB), removes DROP_FILES from the vllm wheel, with their RECORD lines, and applies
+PIN_OVERRIDES to its METADATA (RECORD rehashed). Other hashes in RECORD stay valid: they are of the
+uncompressed file contents.
 """
+import base64
+import hashlib
 import json
 import os
 import sys
@@ -21,8 +24,8 @@ import zipfile
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name as cn
 
-# Never carried: the GPU machine's own builds must be used (torch 2.11.0+cu130, triton 3.6.0).
-SKIP = {"torch", "torchvision", "torchaudio", "triton"}
+# Never carried: the serving path loads none of them (the image's builds are for its torch 2.11).
+SKIP = {"torchvision", "torchaudio"}
 
 # vLLM requirements that this project never loads on the GPU (reason, and where vLLM imports them).
 DROP = {
@@ -43,6 +46,9 @@ DROP = {
 
 # Present on the GPU machine but carried anyway (a newer copy on PYTHONPATH shadows the image's one).
 FORCE = {
+    "torch": "vLLM pins its own torch (2.14.0 for vLLM 0.34); the image has 2.11.0",
+    "triton": "the Triton that torch 2.14.0 pins; the image has 3.6.0",
+    "nvidia-nccl-cu13": "torch 2.14.0 fails at import on the image's NCCL 2.28.9 (undefined symbol ncclCommResume)",
     "typing-extensions": "pydantic 2.14 (carried) needs >=4.16.0; the GPU image's version is not recorded",
 }
 
@@ -51,6 +57,12 @@ FORCE = {
 # for ALiBi, for VLLM_BATCH_INVARIANT with FA4, or when --attention-config flash_attn_version=2 is
 # asked for. flash_attn_interface.py imports _vllm_fa2_C in a try/except (FA2_AVAILABLE=False).
 DROP_FILES = {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"}
+
+# Exact pins of vLLM's that PyPI no longer serves: rewritten in the vllm wheel's METADATA (for pip's
+# resolution and in the staged wheel), with the reason.
+PIN_OVERRIDES = {
+    "flashinfer-python==0.7.3": ("flashinfer-python==0.7.4", "0.7.3 is not on PyPI; 0.7.4 is the next release"),
+}
 
 ENV = dict(python_version="3.12", python_full_version="3.12.3", platform_machine="x86_64",
            sys_platform="linux", platform_system="Linux", os_name="posix", implementation_name="cpython",
@@ -89,9 +101,9 @@ def resolve(report, kinds_md, lock, *roots):
             if req.marker is None or any(req.marker.evaluate(dict(ENV, extra=e)) for e in (extras or {""})):
                 stack.append((cn(req.name), frozenset(req.extras), name))
     with open(lock, "w") as f:
-        f.write("# vLLM 0.26.0 (CUDA 13 build) and what the GPU machine lacks of its requirements, for cp312\n"
+        f.write(f"# {' '.join(roots)} (CUDA 13 builds) and what the GPU machine lacks of their requirements, for cp312\n"
                 "# manylinux x86_64. Written by `bash serve/gpu/stage_vllm.sh --resolve`; read by stage_vllm.sh.\n"
-                "# Not carried: torch/torchvision/torchaudio/triton, the packages KINDS.md lists as present,\n"
+                "# Not carried: torchvision/torchaudio, the packages KINDS.md lists as present,\n"
                 "# and these (never loaded by this project on the GPU):\n")
         for name in sorted(FORCE):
             f.write(f"# Carried although present: {name}: {FORCE[name]}\n")
@@ -103,13 +115,28 @@ def resolve(report, kinds_md, lock, *roots):
     print(f"kit.py: {len(need)} packages to carry, {len(dropped)} dropped, written to {lock}")
 
 
+def override_pins(metadata: bytes) -> bytes:
+    lines = metadata.decode().splitlines(keepends=True)
+    for pin, (replacement, reason) in PIN_OVERRIDES.items():
+        for i, line in enumerate(lines):
+            if line.rstrip("\n") == f"Requires-Dist: {pin}":
+                lines[i] = f"Requires-Dist: {replacement}\n"
+                print(f"kit.py: vllm requires {replacement} instead of {pin}: {reason}")
+    return "".join(lines).encode()
+
+
+def record_entry(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}\n"
+
+
 def repack(src, dst, keep_fa2=False):
     os.makedirs(dst, exist_ok=True)
     drop = set() if keep_fa2 else DROP_FILES
     for fn in sorted(os.listdir(src)):
         if not fn.endswith(".whl"):
             continue
-        removed = []
+        removed, rehashed = [], {}
         with zipfile.ZipFile(os.path.join(src, fn)) as zin, \
                 zipfile.ZipFile(os.path.join(dst, fn), "w", zipfile.ZIP_STORED) as zout:
             names = zin.namelist()
@@ -120,9 +147,13 @@ def repack(src, dst, keep_fa2=False):
                     removed.append(info.filename)
                     continue
                 data = zin.read(info)
-                if info.filename == record[0] and drop:
+                if fn.startswith("vllm-") and info.filename.endswith(".dist-info/METADATA"):
+                    data = override_pins(data)
+                    rehashed[info.filename] = record_entry(info.filename, data)
+                if info.filename == record[0]:
                     lines = data.decode().splitlines(keepends=True)
-                    data = "".join(l for l in lines if l.split(",", 1)[0] not in drop).encode()
+                    data = "".join(rehashed.get(l.split(",", 1)[0], l) for l in lines
+                                   if l.split(",", 1)[0] not in drop).encode()
                 out = zipfile.ZipInfo(info.filename, info.date_time)
                 out.external_attr = info.external_attr  # keeps the x bits (vllm/vllm-rs)
                 out.compress_type = zipfile.ZIP_STORED

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Stage vLLM 0.26.0 (its PyPI wheel: the CUDA 13 build, torch==2.11.0) and what the GPU machine lacks
-# of its requirements, for the GPU machine (no package index, at most 64 MiB a device call).
+# Stage vLLM 0.34.0 (its PyPI wheel: the CUDA 13 build) with the torch 2.14.0 and Triton it pins, NCCL
+# 2.30.7 (torch 2.14's libtorch needs symbols the GPU image's NCCL 2.28.9 lacks) and what the GPU
+# machine lacks of the rest of its requirements, for the GPU machine (no package index, at most
+# 64 MiB a device call).
 #
 #   bash serve/gpu/stage_vllm.sh [--resolve] [--keep-fa2]
 #
-#   --resolve   re-run pip's resolution for vllm==0.26.0 (cp312, manylinux x86_64) and rewrite
+#   --resolve   re-run pip's resolution for vllm==$vllm_version (cp312, manylinux x86_64) and rewrite
 #               serve/gpu/vllm-gpu.lock; without it the pinned lock is staged as it is.
 #   --keep-fa2  keep FlashAttention-2 (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the vllm wheel;
 #               about 2 more parts. By default it is removed: on sm_90 vLLM runs FA3.
@@ -13,13 +15,15 @@
 # binaries that the wheels' deflate misses) and split into parts of 48 MiB in .devkit-vllm/ (ignored
 # through .git/info/exclude). Each part travels in its own device call (see serve/gpu/README.md);
 # serve/gpu/recv_vllm.sh collects them on the GPU machine, serve/gpu/install_vllm.sh installs them
-# into /tmp/site. Needs python3 with pip, xz, tar, split, sha256sum; downloads ~900 MB from PyPI.
+# into /tmp/site. Needs python3 with pip, xz, tar, split, sha256sum; downloads ~1.8 GB from PyPI.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(git -C "$here" rev-parse --show-toplevel)
 kit="$top/.devkit-vllm"
 lock="$here/vllm-gpu.lock"
 kinds=${KINDS_MD:-/work/.library/device/KINDS.md}
+vllm_version=0.34.0
+torch_version=2.14.0
 resolve=0; keep_fa2=()
 for a in "$@"; do
   case $a in
@@ -41,12 +45,19 @@ grep -qx '/.devkit-vllm/' "$git_dir/info/exclude" 2>/dev/null || echo '/.devkit-
 work=$(mktemp -d "${TMPDIR:-/tmp}/stage_vllm.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-# vLLM, and locust for the load tests on the GPU server (the version of requirements/test.txt).
-roots=(vllm==0.26.0 locust==2.47.0)
+# vLLM, locust for the load tests on the GPU server (the version of requirements/test.txt), and the NCCL
+# that torch 2.14.0 imports with on the GPU image (kit.py FORCE).
+roots=("vllm==$vllm_version" locust==2.47.0 nvidia-nccl-cu13==2.30.7)
 if [ $resolve = 1 ]; then
   step "resolving ${roots[*]} for cp312/manylinux x86_64 with pip (metadata only)"
+  # vLLM's own wheel with kit.py's PIN_OVERRIDES applied to its requirements (a pin PyPI no longer serves).
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/root" "vllm==$vllm_version" \
+    2> >(grep -v 'is ignored: it is neither' >&2)
+  mkdir -p "$work/root/pinned"
+  python3 "$here/kit.py" repack "$work/root" "$work/root/pinned" --keep-fa2
   python3 -m pip install -q --dry-run --ignore-installed --no-cache-dir "${plat[@]}" --target "$work/t" \
-    --report "$work/report.json" "${roots[@]}" 2> >(grep -v 'is ignored: it is neither' >&2)
+    --report "$work/report.json" "$work"/root/pinned/vllm-*.whl "${roots[@]:1}" \
+    2> >(grep -v 'is ignored: it is neither' >&2)
   python3 "$here/kit.py" resolve "$work/report.json" "$kinds" "$lock" "${roots[@]}"
 fi
 
@@ -56,12 +67,12 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" -r "$work/pins.t
   2> >(grep -v 'is ignored: it is neither' >&2)
 n_dl=$(ls "$work/dl"/*.whl | wc -l)
 [ "$n_dl" = "$(wc -l < "$work/pins.txt")" ] || { echo "stage_vllm: got $n_dl wheels for $(wc -l < "$work/pins.txt") pins" >&2; exit 1; }
-# The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like torch 2.11.0+cu130 there.
-unzip -p "$work"/dl/vllm-0.26.0-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
+# The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like the GPU image's CUDA 13.
+unzip -p "$work"/dl/vllm-$vllm_version-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
 readelf -d "$work/c.so" | grep -q 'libcudart.so.13' \
   || { echo "stage_vllm: vllm's _C_stable_libtorch does not link libcudart.so.13: not the CUDA 13 build" >&2; exit 1; }
-unzip -p "$work"/dl/vllm-0.26.0-*.whl '*.dist-info/METADATA' | grep -qx 'Requires-Dist: torch==2.11.0' \
-  || { echo "stage_vllm: the vllm wheel does not pin torch==2.11.0" >&2; exit 1; }
+unzip -p "$work"/dl/vllm-$vllm_version-*.whl '*.dist-info/METADATA' | grep -qx "Requires-Dist: torch==$torch_version" \
+  || { echo "stage_vllm: the vllm wheel does not pin torch==$torch_version" >&2; exit 1; }
 rm "$work/c.so"
 step "downloaded $(du -sm "$work/dl" | cut -f1) MB; rewriting the wheels uncompressed"
 python3 "$here/kit.py" repack "$work/dl" "$work/kit" "${keep_fa2[@]}"
