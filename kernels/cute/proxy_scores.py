@@ -86,7 +86,7 @@ class ProxyScoreKernel:
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         partial_max = smem.allocate_tensor(
             cutlass.Float32, cute.make_layout((p.warps, p.num_index_heads), stride=(p.num_index_heads, 1))
         )

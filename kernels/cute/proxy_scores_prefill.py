@@ -146,7 +146,7 @@ class PrefillProxyScoreKernel:
         num_blocks = token_position[first_token + num_rows - 1] // p.block_size + 1
         tx_bytes = p.block_size * p.index_head_dim * 2
 
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
         # wgmma takes affine shared-memory layouts: the swizzle goes into the pointer.

@@ -170,7 +170,7 @@ class SparseAttentionKernel:
             if last_block == position // p.block_size:
                 num_tiles -= p.tiles_per_block - (position % p.block_size) // p.tile_keys - 1
 
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
         sQ = storage.sQ.get_tensor(q_layout)
         sK = storage.sK.get_tensor(kv_layout)
         sV = storage.sV.get_tensor(kv_layout)

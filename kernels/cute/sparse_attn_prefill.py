@@ -166,7 +166,7 @@ class GroupedAttentionKernel:
         seq_len = seq_lens[request]
         tx_bytes = 2 * p.block_size * p.head_dim * 2  # K + V tiles, bf16
 
-        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
         full = storage.full.data_ptr()
         candidate = storage.candidate.get_tensor(cute.make_layout(p.candidates))
         first_seen = storage.first_seen.get_tensor(cute.make_layout(p.candidates))

@@ -63,7 +63,7 @@ class TopkBlocksKernel:
         token, head, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS,)))
         row = score_bits[token, head, None]
 
