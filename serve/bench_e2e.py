@@ -27,7 +27,7 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
   `MINIMAX_M3_SPARSE`: `--attention-backend FLASH_ATTN`, vLLM's own M3. Its sparse layers bind
   MiniMaxM3SparseBackend themselves (Triton kernels on Hopper); the flag picks the dense layers'
   backend, and MINIMAX_M3_SPARSE cannot be that flag (vLLM refuses a sparse-only backend for them).
-  `dense`: `--attention-backend FLASH_ATTN --hf-overrides` text_config.sparse_attention_config with
+  `dense`: `--attention-backend FLASH_ATTN --hf-overrides` (compat.m3_all_dense_overrides) with
   sparse_attention_freq all 0 (vLLM's M3 then builds every layer as dense attention)
   `--load-format dummy`: vLLM's M3 loader folds index_{q,k}_proj into the layer's qkv_proj, which a
   dense layer refuses (QKVParallelLinear: shard id 'index_q'), so this one runs vLLM's seeded random
@@ -96,7 +96,7 @@ def default_configs(model_dir: Path, dense_backend: str) -> dict[str, list[str]]
     if "FlashMSAForCausalLM" in architectures:
         return flash_msa_configs(config, dense_backend)
     if any(a in M3_ARCHITECTURES for a in architectures):
-        return minimax_m3_configs(config, dense_backend)
+        return minimax_m3_configs(model_dir, dense_backend)
     raise ValueError(f"no default configurations for architectures {architectures}: pass --config")
 
 
@@ -108,12 +108,14 @@ def flash_msa_configs(config: dict, dense_backend: str) -> dict[str, list[str]]:
     }
 
 
-def minimax_m3_configs(config: dict, dense_backend: str) -> dict[str, list[str]]:
-    text = config["text_config"]
-    sparse = text["sparse_attention_config"]
-    all_dense = {**sparse, "sparse_attention_freq": [0] * text["num_hidden_layers"]}
-    override = {"text_config": {"sparse_attention_config": all_dense}}
-    paged = ["--block-size", str(sparse["sparse_block_size"])]
+def minimax_m3_configs(model_dir: Path, dense_backend: str) -> dict[str, list[str]]:
+    from vllm.transformers_utils.config import get_config
+
+    from vllm_msa import compat
+
+    text = get_config(str(model_dir), trust_remote_code=False).get_text_config()  # as this vLLM reads it
+    override = {"text_config": compat.m3_all_dense_overrides(text)}
+    paged = ["--block-size", str(compat.m3_sparse_fields(text)["block_size"])]
     return {
         "FLASH_MSA": ["--attention-backend", "FLASH_MSA", *paged],
         "MINIMAX_M3_SPARSE": ["--attention-backend", dense_backend, *paged],

@@ -27,14 +27,19 @@ def parsed_config(model_dir):
 
 def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attention_model):
     from safetensors import safe_open
-    from vllm.transformers_utils.configs.minimax_m3 import MiniMaxM3TextConfig
 
+    from serve.build_m3_model import make_config
     from vllm_msa.config import MSAModelConfig
 
     text = parsed_config(m3_attention_model).get_text_config()
-    assert type(text).__name__ == "MiniMaxM3TextConfig" and text.max_position_embeddings >= M3_CONTEXT
+    assert type(text).__name__ in ("MiniMaxM3TextConfig", "MiniMaxM3VLTextConfig")
+    assert text.max_position_embeddings >= M3_CONTEXT
     msa = MSAModelConfig.from_minimax_m3(text)
-    production = MiniMaxM3TextConfig()  # vLLM's defaults mirror the MiniMax-M3-preview checkpoint
+    production = type(text)(**make_config(  # the MiniMax-M3 checkpoint's attention
+        num_hidden_layers=60, num_attention_heads=64, num_key_value_heads=4, moe_layer_freq=[0] * 3 + [1] * 57,
+        sparse_attention_config={"sparse_num_index_heads": 4, "sparse_topk_blocks": 16,
+                                 "sparse_attention_freq": [0] * 3 + [1] * 57},
+    )["text_config"])
     assert msa.layer_shape(text) == MSAModelConfig.from_minimax_m3(production).layer_shape(production)
     assert msa.dense_layers == (0,) and msa.sparse_layers(text.num_hidden_layers) == [1, 2, 3]
     with safe_open(m3_attention_model / "model.safetensors", "pt") as f:
@@ -72,10 +77,13 @@ def test_m3_default_configs_are_flash_msa_vllms_m3_and_all_dense_m3(m3_attention
     assert [e.load_format for e in parsed.values()] == ["auto", "auto", "dummy"]
     assert parsed["FLASH_MSA"].hf_overrides == parsed["MINIMAX_M3_SPARSE"].hf_overrides == {}
 
+    from vllm_msa import compat
+
     config = parsed_config(m3_attention_model)
-    before = dict(config.get_text_config().sparse_attention_config)
+    before = compat.m3_sparse_fields(config.get_text_config())
     text = apply_hf_overrides(config, parsed["dense"].hf_overrides).get_text_config()
-    assert text.sparse_attention_config == {**before, "sparse_attention_freq": [0, 0, 0, 0]}
+    after = compat.m3_sparse_fields(text)
+    assert after["sparse_layers"] == [False] * 4 and {**after, "sparse_layers": None} == {**before, "sparse_layers": None}
     assert MSAModelConfig.from_minimax_m3(text).dense_layers == (0, 1, 2, 3)  # every layer dense
 
 
@@ -84,8 +92,9 @@ def test_vllms_dense_m3_layer_refuses_index_weights_so_dense_runs_dummy_weights(
 
     # vLLM's M3 load_weights maps index_q_proj onto qkv_proj with shard id "index_q"; a dense layer's
     # qkv_proj is a QKVParallelLinear. If this ever loads, the dense configuration can drop --load-format dummy.
+    layer = QKVParallelLinear.__new__(QKVParallelLinear)  # the check reads only class-level shard names
     with pytest.raises(ValueError, match="got shard id index_q"):
-        QKVParallelLinear.validate_shard_id(None, "index_q")
+        layer.validate_shard_id("index_q")
 
 
 def test_flash_msa_default_configs_are_unchanged(demo_model):

@@ -59,7 +59,7 @@ def test_dense_path_is_dense_causal_attention(device, batch_name):
     if device == "cuda":
         assert dense_flash_attn_version(case.q.device, dtype, shape.head_dim) == 3, "Hopper runs FA3"
     out = torch.full_like(case.q, float("nan"))
-    impl.forward(None, case.q, None, None, case.kv_cache, _metadata(case.batch), out)
+    impl.forward(None, case.q, None, None, case.kv_cache.flatten(-2), _metadata(case.batch), out)
     bf16 = dtype == torch.bfloat16
     _assert_close(out, _want(case), 0.99 if bf16 else 0.999999, 1e-2 if bf16 else 1e-5)
 
@@ -82,10 +82,10 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches():
     metadata = FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=padded, max_query_len=1,
                                 max_seq_len=130, dense_num_splits=32)
     impl = FlashMSAImpl(shape.num_q_heads, shape.head_dim, case.scale, shape.num_kv_heads)
-    impl.forward(None, q, None, None, case.kv_cache, metadata, out)  # warm up outside the capture
+    impl.forward(None, q, None, None, case.kv_cache.flatten(-2), metadata, out)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(None, q, None, None, case.kv_cache, metadata, out)
+        impl.forward(None, q, None, None, case.kv_cache.flatten(-2), metadata, out)
     qsl[n + 1 :] = n
     lens.copy_(torch.tensor(seq_lens + [0] * (padded - n), dtype=torch.int32))
     table.zero_()

@@ -39,6 +39,19 @@ def test_config_with_flash_msa_unpickles_in_a_process_that_never_loaded_the_plug
     assert out.stdout.decode().splitlines()[-1].split() == ["FLASH_MSA", "vllm_msa.backend.FlashMSABackend"]
 
 
+def test_plugin_refuses_a_vllm_outside_the_supported_versions_by_name():
+    from vllm_msa.compat import check_vllm_version
+
+    for supported in ("0.32.0+cpu", "0.34.0", "0.34.1"):
+        check_vllm_version(supported)
+    with pytest.raises(ImportError, match=r"vllm-msa supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x .* vLLM 0\.26\.0"):
+        check_vllm_version("0.26.0")
+    # As vLLM loads the plugin: the installed vLLM reporting an old version stops register() with that message.
+    child = "import vllm; vllm.__version__ = '0.26.0'; import vllm_msa; vllm_msa.register()"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0 and "vllm-msa supports vLLM 0.32.x" in out.stderr, out.stderr[-2000:]
+
+
 def test_vllm_cli_rejects_an_unknown_backend_name(demo_model):
     vllm = Path(sys.executable).with_name("vllm")
     out = subprocess.run(

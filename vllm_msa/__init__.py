@@ -1,7 +1,9 @@
 """vllm-msa: serve MSA (MiniMax Sparse Attention) models with vLLM through the FLASH_MSA backend.
 
-vLLM calls register() (entry point `vllm.general_plugins`) in each of its processes.
+vLLM calls register() (entry point `vllm.general_plugins`) in each of its processes; on a vLLM outside
+the supported versions it stops there, naming them (compat.check_vllm_version).
 
+    compat        every touch of vLLM internals; the supported vLLM versions
     registration  FLASH_MSA backend name, model architectures, their config check
     config        a checkpoint's msa_config; what FLASH_MSA can serve
     backend       FLASH_MSA backend, metadata builder, impl (proxy scores + top-k + sparse attention)
@@ -14,6 +16,7 @@ vLLM calls register() (entry point `vllm.general_plugins`) in each of its proces
 
 
 def register() -> None:
+    from vllm_msa import compat  # noqa: F401  (first: refuses an unsupported vLLM with its message)
     from vllm_msa import metrics
     from vllm_msa.registration import add_backend_name, register_models, split_graphs_at_msa_op
 

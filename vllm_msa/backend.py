@@ -16,19 +16,21 @@ and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, 
 positions, fixed-size selections), so the builder offers full graphs for single-token decode
 batches; other batches run the layers eagerly between piecewise graphs.
 
-K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block.
+K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block
+(vLLM binds [num_pages, 2, block_size, num_kv_heads * head_dim]; paged_kv views it).
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
-from vllm_msa import metrics
+from vllm_msa import compat, metrics
 from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.registration import BACKEND_NAME
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -39,8 +41,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-
-BACKEND_NAME = "FLASH_MSA"
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 
 
 class FlashMSABackend(AttentionBackend):
@@ -53,7 +54,7 @@ class FlashMSABackend(AttentionBackend):
         return BACKEND_NAME
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec: KVCacheSpec | None = None) -> list[int | MultipleOf]:
         return [128]  # one MSA block per KV page
 
     @staticmethod
@@ -64,11 +65,18 @@ class FlashMSABackend(AttentionBackend):
     def get_builder_cls() -> type["FlashMSAMetadataBuilder"]:
         return FlashMSAMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
-    ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """K and V as two planes of a page: [2, block_size, Hkv * D] (see paged_kv)."""
+        if spec.state_content_bytes is not None:
+            return spec
+        return replace(
+            spec, num_head_slots=2, state_content_bytes=spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+        )
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # each layer's pages contiguous, each page [planes, tokens, content]
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -83,6 +91,7 @@ class FlashMSAMetadata(AttentionMetadata):
     max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
     max_seq_len: int
     dense_num_splits: int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
+    request_keys: list[int] | None = None  # per request row, its key in the selection log (None: the row itself)
 
 
 class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
@@ -129,6 +138,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
             dense_num_splits=self._graph_num_splits if m.num_actual_tokens <= self._graph_batch_limit else 0,
+            request_keys=compat.batch_request_keys(m, m.num_reqs),
         )
 
 
@@ -164,6 +174,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.msa_shape = msa_shape
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -202,11 +213,10 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         if attn_metadata is None:  # memory-profiling run: caches are not bound yet
             return output.fill_(0)
         batch, n = attn_metadata.batch, attn_metadata.num_actual_tokens
+        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size)
         if version is not None:
-            from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-            flash_attn_varlen_func(  # K and V are strided views of the cache pages, as FA reads them
+            compat.flash_attn_varlen(  # K and V are strided views of the cache pages, as FA reads them
                 q=query[:n], k=kv_cache[:, 0], v=kv_cache[:, 1], out=output[:n],
                 cu_seqlens_q=batch.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
                 seqused_k=batch.seq_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=self.scale,
@@ -243,6 +253,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         shape = self.msa_shape
         n = attn_metadata.num_actual_tokens
         self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
+        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
         if clock is not None:
             clock.mark()
@@ -261,12 +272,7 @@ def dense_flash_attn_version(device: torch.device, dtype: torch.dtype, head_size
     sparse attention path runs them with every block selected): CUDA builds of vLLM, fp16/bf16."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
         return None
-    from vllm.v1.attention.backends import fa_utils
-
-    if not fa_utils.is_flash_attn_varlen_func_available():
-        return None
-    version = fa_utils.get_flash_attn_version(head_size=head_size)
-    return version if version is not None and fa_utils.is_fa_version_supported(version) else None
+    return compat.flash_attn_version(head_size)
 
 
 def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> str:
@@ -279,6 +285,12 @@ def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> 
     return f"sparse attention over every block ({'CuTeDSL' if ops.uses_cute_sparse_attention(probe, shape) else 'PyTorch'})"
 
 
+def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
+    """A layer's K/V cache as vLLM binds it, [num_pages, 2, block_size, Hkv * D] (FlashMSABackend.customize_spec,
+    layout LBHNC), as the kernels read it: [num_pages, 2, block_size, Hkv, D]."""
+    return kv_cache.unflatten(-1, (num_kv_heads, head_size))
+
+
 def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
@@ -286,16 +298,8 @@ def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
     cache passes itself as both caches, the same rows written twice. Elsewhere the reference.
     """
     if key_cache.is_cuda:
-        from vllm import _custom_ops as vllm_ops
-
-        scale = _unit_scale(key_cache.device)
-        vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
+        compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value)
         return
     reference.write_paged(key_cache, slot_mapping, key)
     if value_cache is not key_cache:
         reference.write_paged(value_cache, slot_mapping, value)
-
-
-@functools.cache
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)

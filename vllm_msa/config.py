@@ -6,7 +6,7 @@
 
 Layers listed in dense_layers run plain dense attention; every other layer is an MSA layer.
 MiniMax-M3 checkpoints describe the same things in their own `sparse_attention_config`
-(MSAModelConfig.from_minimax_m3, the fields vLLM's in-tree M3 reads).
+(MSAModelConfig.from_minimax_m3, from the fields vLLM's in-tree M3 reads).
 
 check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
@@ -17,12 +17,12 @@ from dataclasses import MISSING, dataclass, fields
 
 from kernels.shapes import MSAShape
 from vllm.logger import init_logger
+from vllm_msa import compat
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
 SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values FLASH_MSA serves: no fp8
-M3_SPARSE_CONFIG = "sparse_attention_config"
 
 
 class MSAConfigError(ValueError):
@@ -70,41 +70,35 @@ class MSAModelConfig:
 
     @classmethod
     def from_minimax_m3(cls, text_config) -> "MSAModelConfig":
-        """MiniMax-M3's sparse_attention_config (and vLLM's defaults for missing fields) as MSA.
+        """MiniMax-M3's sparse-attention fields as vLLM reads them (compat.m3_sparse_fields) as MSA.
 
         One shared index key (Hki 1), index heads == KV heads (vLLM's fused M3 projection requires it),
-        max-pooled block scores; layers with sparse_attention_freq 0 (or all, without it) are dense.
+        max-pooled block scores; layers not marked sparse are dense.
         """
-        raw = getattr(text_config, M3_SPARSE_CONFIG, None)
-        if not isinstance(raw, dict):
-            raise MSAConfigError(f"this MiniMax-M3 config has no {M3_SPARSE_CONFIG}, so it has no sparse layers")
-        missing = [k for k in ("sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads",
-                               "sparse_index_dim") if k not in raw]
-        if missing:
-            raise MSAConfigError(f"{M3_SPARSE_CONFIG} is missing {missing}")
-        if raw.get("sparse_score_type", "max") != "max":
+        m3 = compat.m3_sparse_fields(text_config)
+        if m3["source"] is None:
+            raise MSAConfigError("this MiniMax-M3 config has no sparse-attention fields, so it has no sparse layers")
+        if m3["missing"]:
+            raise MSAConfigError(f"{m3['source']} is missing {m3['missing']}")
+        names = m3["names"]
+        if m3["score_type"] != "max":
+            raise MSAConfigError(f"{names['score_type']} {m3['score_type']!r}: FLASH_MSA max-pools block scores")
+        if m3["num_index_heads"] != text_config.num_key_value_heads:
             raise MSAConfigError(
-                f"{M3_SPARSE_CONFIG}.sparse_score_type {raw['sparse_score_type']!r}: FLASH_MSA max-pools block scores"
-            )
-        if raw["sparse_num_index_heads"] != text_config.num_key_value_heads:
-            raise MSAConfigError(
-                f"{M3_SPARSE_CONFIG}.sparse_num_index_heads {raw['sparse_num_index_heads']} != num_key_value_heads "
+                f"{names['num_index_heads']} {m3['num_index_heads']} != num_key_value_heads "
                 f"{text_config.num_key_value_heads}: MiniMax-M3 scores one index head per KV head"
             )
-        if raw.get("sparse_local_block", 0) < 1:  # vLLM's M3 default is 0: no block forced
-            raise MSAConfigError(
-                f"{M3_SPARSE_CONFIG}.sparse_local_block must be >= 1: FLASH_MSA always reads the query's own block"
-            )
-        freq = raw.get("sparse_attention_freq") or []
+        if m3["local_blocks"] < 1:
+            raise MSAConfigError(f"{names['local_blocks']} must be >= 1: FLASH_MSA always reads the query's own block")
         config = cls(
-            block_size=raw["sparse_block_size"],
-            topk_blocks=raw["sparse_topk_blocks"],
-            num_index_heads=raw["sparse_num_index_heads"],
-            index_head_dim=raw["sparse_index_dim"],
+            block_size=m3["block_size"],
+            topk_blocks=m3["topk_blocks"],
+            num_index_heads=m3["num_index_heads"],
+            index_head_dim=m3["index_head_dim"],
             num_index_key_heads=1,
-            local_blocks=raw["sparse_local_block"],
-            init_blocks=raw.get("sparse_init_block", 0),
-            dense_layers=tuple(i for i in range(text_config.num_hidden_layers) if i >= len(freq) or freq[i] == 0),
+            local_blocks=m3["local_blocks"],
+            init_blocks=m3["init_blocks"],
+            dense_layers=tuple(i for i, sparse in enumerate(m3["sparse_layers"]) if not sparse),
         )
         config.layer_shape(text_config)
         return config

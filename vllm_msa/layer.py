@@ -71,12 +71,14 @@ class MSAAttention(nn.Module, AttentionLayerBase):
                 f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
                 f"{self.shape.block_size} (its msa_config.block_size), not {block_size}"
             )
-        return FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=self.shape.num_kv_heads,
-            head_size=self.shape.head_dim,
-            head_size_v=self.shape.head_dim,
-            dtype=self.kv_cache_torch_dtype,
+        return FlashMSABackend.customize_spec(
+            FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=self.shape.num_kv_heads,
+                head_size=self.shape.head_dim,
+                head_size_v=self.shape.head_dim,
+                dtype=self.kv_cache_torch_dtype,
+            )
         )
 
     def forward(
@@ -113,8 +115,10 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             stats.record(selected, batch.positions, s.block_size, layers=self.metrics_layers)
             stats.publish()
         capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
-        if selection_log.labels_by_row and not capturing:
-            selection_log.log_selection(self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens)
+        if selection_log.labels_by_key and not capturing:
+            selection_log.log_selection(
+                self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens, metadata.request_keys
+            )
 
 
 @eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention

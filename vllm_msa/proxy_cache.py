@@ -13,12 +13,12 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import AttentionBackend
-from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
-from vllm_msa.backend import FlashMSAMetadataBuilder
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, MLAAttentionSpec
+from vllm_msa.backend import FlashMSABackend, FlashMSAMetadataBuilder
 
 
 class ProxyKeyCacheBackend(AttentionBackend):
-    """Key-only pages [num_pages, block_size, Hki * Dp]; metadata is the FLASH_MSA metadata."""
+    """Key-only pages [num_pages, 1, block_size, Hki * Dp]; metadata is the FLASH_MSA metadata."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -34,11 +34,9 @@ class ProxyKeyCacheBackend(AttentionBackend):
     def get_builder_cls() -> type[FlashMSAMetadataBuilder]:
         return FlashMSAMetadataBuilder
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return FlashMSABackend.supported_kv_cache_layouts()  # one KV cache group with its MSA layer
 
 
 class ProxyKeyCache(nn.Module, AttentionLayerBase):
@@ -56,8 +54,7 @@ class ProxyKeyCache(nn.Module, AttentionLayerBase):
 
     def pages(self) -> torch.Tensor:
         """The bound cache as [num_pages, block_size, Hki, Dp]."""
-        num_pages, block_size, _ = self.kv_cache.shape
-        return self.kv_cache.view(num_pages, block_size, self.num_key_heads, self.head_dim)
+        return self.kv_cache.squeeze(1).unflatten(-1, (self.num_key_heads, self.head_dim))
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return ProxyKeyCacheBackend

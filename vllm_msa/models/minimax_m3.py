@@ -13,7 +13,6 @@ CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA g
 """
 
 import contextlib
-import sys
 
 import torch
 from torch import nn
@@ -25,21 +24,24 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+from vllm_msa import compat
 from vllm_msa.backend import describe_dense
-from vllm_msa.config import MSAModelConfig, flash_msa_selected
+from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
 from vllm_msa.layer import MSAAttention
 
 logger = init_logger("vllm.msa")
 
-_M3_MODEL_MODULE = sys.modules[MiniMaxM3SparseForCausalLM.__module__]  # vLLM's nvidia (or amd) model.py
+_M3_MODEL_MODULE = compat.m3_model_module()
 
 
 class FlashMSAMiniMaxM3Attention(nn.Module):
     """Constructor, parameters and forward of vLLM's MiniMaxM3SparseAttention; attention is MSAAttention."""
 
     def __init__(self, config, layer_id: int, quant_config=None, prefix: str = "", cache_config=None,
-                 topk_indices_buffer=None) -> None:
+                 topk_indices_buffer=None, use_sequence_parallel: bool = False, run_gemm_rs: bool = False) -> None:
         super().__init__()
+        if use_sequence_parallel:
+            raise MSAConfigError("FLASH_MSA does not serve MiniMax-M3 with sequence parallelism")
         msa = MSAModelConfig.from_minimax_m3(config)
         shape = msa.layer_shape(config)
         self.shape = shape
@@ -59,7 +61,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         self.index_k_norm = norm(shape.index_head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(  # M3 ropes the index branch with the same table
             shape.head_dim, max_position=config.max_position_embeddings,
-            rope_parameters={"rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
+            rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
         self.attn = MSAAttention(shape, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn",
                                  metrics_layers=msa.metrics_layers(config.num_hidden_layers, layer_id))

