@@ -10,6 +10,7 @@
 """
 
 import functools
+import logging
 
 import torch
 
@@ -18,13 +19,21 @@ from kernels.cute import proxy_scores_supported, sparse_attention_supported
 from kernels.shapes import MSAShape, PagedBatch
 
 
+CUTE_DSL_REQUIREMENT = "nvidia-cutlass-dsl==4.8.0"  # pyproject.toml's; the version vLLM 0.34 pins
+logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show it
+
+
 @functools.cache
 def _cute_available(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     try:
         import cutlass  # noqa: F401
-    except ImportError:
+    except ImportError as error:
+        logger.warning(
+            "FLASH_MSA: CuTeDSL is not importable (%s), so the MSA steps run the PyTorch path on this Hopper GPU "
+            "(same results, far slower): pip install '%s'", error, CUTE_DSL_REQUIREMENT,
+        )
         return False
     return True
 
