@@ -16,6 +16,10 @@ if [ "$(cat "$_vsite/.devkit-vllm-ok" 2>/dev/null)" != "$_vsha" ]; then
     echo "devkit-vllm: $_vhave of $_vn parts, or corrupt (the machine went cold between calls?): send every part again" >&2
     return 1
   fi
+  # The image's torchvision and torchaudio are built for its torch 2.11: beside the staged torch 2.14 their
+  # import fails (operator torchvision::nms does not exist), and vLLM's M3 model module imports torchvision.
+  # The kit carries the torchvision vLLM pins; torchaudio (audio models only) is left out.
+  python3 -m pip uninstall -y -q torchvision torchaudio > /dev/null 2>&1
   rm -rf "$_vk/w" && mkdir -p "$_vk/w"
   if command -v xz >/dev/null; then
     cat "$_vk"/part* | xz -dc -T0 | tar xf - -C "$_vk/w" || return 1

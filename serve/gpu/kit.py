@@ -24,8 +24,9 @@ import zipfile
 from pip._vendor.packaging.requirements import Requirement
 from pip._vendor.packaging.utils import canonicalize_name as cn
 
-# Never carried: the serving path loads none of them (the image's builds are for its torch 2.11).
-SKIP = {"torchvision", "torchaudio"}
+# Never carried: the serving path loads it only for audio (install_vllm.sh removes the image's build, made
+# for its torch 2.11).
+SKIP = {"torchaudio"}
 
 # vLLM requirements that this project never loads on the GPU (reason, and where vLLM imports them).
 DROP = {
@@ -49,6 +50,8 @@ FORCE = {
     "torch": "vLLM pins its own torch (2.14.0 for vLLM 0.34); the image has 2.11.0",
     "triton": "the Triton that torch 2.14.0 pins; the image has 3.6.0",
     "nvidia-nccl-cu13": "torch 2.14.0 fails at import on the image's NCCL 2.28.9 (undefined symbol ncclCommResume)",
+    "torchvision": "vLLM's M3 model module imports it; the image's 0.26 (for torch 2.11) fails beside torch 2.14 "
+                   "(operator torchvision::nms does not exist)",
     "typing-extensions": "pydantic 2.14 (carried) needs >=4.16.0; the GPU image's version is not recorded",
 }
 

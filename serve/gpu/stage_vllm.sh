@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stage vLLM 0.34.0 (its PyPI wheel: the CUDA 13 build) with the torch 2.14.0 and Triton it pins, NCCL
-# 2.30.7 (torch 2.14's libtorch needs symbols the GPU image's NCCL 2.28.9 lacks) and what the GPU
+# Stage vLLM 0.34.0 (its PyPI wheel: the CUDA 13 build) with the torch 2.14.0, torchvision and Triton it
+# pins, NCCL 2.30.7 (torch 2.14's libtorch needs symbols the GPU image's NCCL 2.28.9 lacks) and what the GPU
 # machine lacks of the rest of its requirements, for the GPU machine (no package index, at most
 # 64 MiB a device call).
 #
