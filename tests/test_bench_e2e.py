@@ -8,13 +8,13 @@ server, summary, charts) against a stand-in `vllm` that answers /health and writ
 
 import json
 import math
-import socket
 import sys
 from types import SimpleNamespace
 
 import pytest
 
 from serve import bench_e2e
+from tests.serving import free_port
 
 M3_CONTEXT = 131072 + 8192  # a 128K prompt plus outputs
 
@@ -28,18 +28,14 @@ def parsed_config(model_dir):
 def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attention_model):
     from safetensors import safe_open
 
-    from serve.build_m3_model import make_config
+    from serve.build_m3_model import PRESETS, make_config
     from vllm_msa.config import MSAModelConfig
 
     text = parsed_config(m3_attention_model).get_text_config()
     assert type(text).__name__ in ("MiniMaxM3TextConfig", "MiniMaxM3VLTextConfig")
     assert text.max_position_embeddings >= M3_CONTEXT
     msa = MSAModelConfig.from_minimax_m3(text)
-    production = type(text)(**make_config(  # the MiniMax-M3 checkpoint's attention
-        num_hidden_layers=60, num_attention_heads=64, num_key_value_heads=4, moe_layer_freq=[0] * 3 + [1] * 57,
-        sparse_attention_config={"sparse_num_index_heads": 4, "sparse_topk_blocks": 16,
-                                 "sparse_attention_freq": [0] * 3 + [1] * 57},
-    )["text_config"])
+    production = type(text)(**make_config(**PRESETS["production"])["text_config"])  # the released M3's shapes
     assert msa.layer_shape(text) == MSAModelConfig.from_minimax_m3(production).layer_shape(production)
     assert msa.dense_layers == (0,) and msa.sparse_layers(text.num_hidden_layers) == [1, 2, 3]
     with safe_open(m3_attention_model / "model.safetensors", "pt") as f:
@@ -128,12 +124,6 @@ else:  # bench serve: TPOT = input length / 100 * (1 + server index)
     with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
         json.dump(result, f)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(demo_model, tmp_path, monkeypatch,

@@ -10,15 +10,9 @@ selects for a marked request (the same on a prefix-cache hit as on a miss), and 
 """
 
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -27,13 +21,12 @@ import requests
 
 from loadtests.run_load import run as run_load_test
 from serve.build_demo_model import DEFAULT_CONFIG
+from tests.serving import demo_server, healthy
 from vllm_msa.metrics import SAMPLE_EVERY
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-msa"
-START_TIMEOUT_S = 600
 SERVER_FLAGS = ["--dtype", "float32", "--logits-processors", "vllm_msa.selection_log:SelectionLog"]
 MSA = DEFAULT_CONFIG["msa_config"]
 NUM_MSA_LAYERS = DEFAULT_CONFIG["num_hidden_layers"] - len(MSA["dense_layers"])
@@ -41,52 +34,10 @@ SOAK_SECONDS = 75
 SOAK_MAX_RSS_GROWTH_MIB = 256
 
 
-@dataclass
-class Server:
-    url: str
-    log_path: Path
-    pid: int  # the API server (demo.sh execs `vllm serve`); engine and worker are its children
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        ["bash", "serve/demo.sh", "--port", str(port), *SERVER_FLAGS],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    started = time.monotonic()
-    try:
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail(f"server did not come up (rc={proc.poll()}):\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        print(f"\nserver up in {time.monotonic() - started:.0f} s")
-        yield Server(url, log_path, proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    with demo_server(tmp_path_factory.mktemp("server"), SERVER_FLAGS) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +107,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_REQUESTS = {  # name: (path, JSON body or raw bytes, status, part of the error message)
     "prompt longer than the context": (COMPLETIONS, {"prompt": _token_ids(9000), "max_tokens": 4}, 400,
                                        "maximum context length is 8192"),
-    "prompt + max_tokens beyond the context": (COMPLETIONS, {"prompt": _token_ids(8000), "max_tokens": 1000}, 400,
-                                               "you requested 1000 output tokens"),
     "max_tokens beyond max-model-len": (COMPLETIONS, {"prompt": "hi", "max_tokens": 9000}, 400,
                                         "cannot be greater than max_model_len"),
     "max_tokens 0": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
@@ -186,7 +135,18 @@ def test_bad_request_gets_a_clear_4xx(server, case):
     r = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text[:500]
     assert message in r.json()["error"]["message"]
-    assert _healthy(server.url)
+    assert healthy(server.url)
+
+
+def test_max_tokens_beyond_the_context_is_capped_at_the_context(server):
+    """vLLM (since 0.32) serves such a request with max_tokens lowered to what the context leaves."""
+    body = {"model": MODEL, "prompt": _token_ids(8000), "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    r = requests.post(server.url + COMPLETIONS, json=body, timeout=300)
+    assert r.status_code == 200, r.text[:500]
+    answer = r.json()
+    assert answer["usage"]["prompt_tokens"] == 8000 and answer["usage"]["completion_tokens"] == 8192 - 8000
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert healthy(server.url)
 
 
 def test_server_keeps_serving_after_bad_requests(server, client):
