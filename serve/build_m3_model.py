@@ -18,7 +18,10 @@ Presets (--preset):
   hidden 1024 and 8 small experts (94M parameters, 190 MB). Layer 0 is dense and layers 1-3 sparse +
   MoE (as the FlashMSA demo preset), so most attention is sparse, as in M3 (57 of 60 layers).
 
-    python serve/build_m3_model.py OUT_DIR [--preset {default,m3-attention}] [--seed N]
+- production: the released MiniMax-M3's shapes (60 layers, 3 dense; hidden 6144; 128 experts),
+  with --config-only: config.json alone, for `python -m vllm_msa.sizing`.
+
+    python serve/build_m3_model.py OUT_DIR [--preset {default,m3-attention,production}] [--seed N] [--config-only]
 """
 
 from __future__ import annotations
@@ -98,8 +101,29 @@ TEXT_CONFIG = {
 
 
 M3_ATTENTION_LAYERS = layer_pattern(1, 4)
+M3_LAYERS = layer_pattern(3, 60)
 # Named variants of TEXT_CONFIG (--preset), as make_config overrides.
 PRESETS = {
+    "production": {  # the released MiniMax-M3's shapes (~428B parameters): for --config-only (sizing)
+        "vocab_size": 200064,
+        "hidden_size": 6144,
+        "intermediate_size": 3072,
+        "dense_intermediate_size": 12288,
+        "shared_intermediate_size": 3072,
+        "num_hidden_layers": len(M3_LAYERS),
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 1048576,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "moe_layer_freq": M3_LAYERS,
+        "sparse_attention_config": {
+            "sparse_num_index_heads": 4,
+            "sparse_topk_blocks": 16,
+            "sparse_disable_index_value": M3_LAYERS,
+            "sparse_attention_freq": M3_LAYERS,
+        },
+    },
     "default": {},
     "m3-attention": {
         "hidden_size": 1024,
@@ -221,6 +245,12 @@ if __name__ == "__main__":
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes)")
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config.json alone (e.g. --preset production, for python -m vllm_msa.sizing)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    build_m3_model(args.out_dir, seed=args.seed, **PRESETS[args.preset])
+    if args.config_only:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(args.out_dir / "config.json", make_config(**PRESETS[args.preset]))
+    else:
+        build_m3_model(args.out_dir, seed=args.seed, **PRESETS[args.preset])

@@ -26,7 +26,7 @@ import torch
 
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
-from serve.build_m3_model import build_m3_model, make_config
+from serve.build_m3_model import PRESETS, build_m3_model, make_config
 from vllm_msa.config import MSAConfigError, MSAModelConfig, check_minimax_m3_serving_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,11 +110,7 @@ def test_m3_sparse_attention_config_maps_onto_msa_shape(schema):
         num_q_heads=32, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
         index_head_dim=128, topk_blocks=4, local_blocks=1, init_blocks=0, block_size=128,
     )
-    production = m3_text_config(  # the MiniMax-M3 checkpoint's attention (3 dense + 57 sparse layers)
-        schema, num_hidden_layers=60, num_attention_heads=64, num_key_value_heads=4, moe_layer_freq=[0] * 3 + [1] * 57,
-        sparse_attention_config={"sparse_num_index_heads": 4, "sparse_topk_blocks": 16,
-                                 "sparse_attention_freq": [0] * 3 + [1] * 57},
-    )
+    production = m3_text_config(schema, **PRESETS["production"])  # the released MiniMax-M3's shapes
     msa = MSAModelConfig.from_minimax_m3(production)
     shape = msa.layer_shape(production)
     assert (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.heads_per_index_head) == (64, 4, 4, 16)

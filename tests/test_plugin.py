@@ -141,3 +141,46 @@ def test_metrics_count_no_padding_tokens(monkeypatch):
     padded.record(torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
                   torch.cat([positions, torch.full((3,), -1)]), 128)
     assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2
+
+
+def test_tensor_parallel_ranks_hold_the_heads_their_query_heads_need():
+    hf = _HF(msa_config=MSA)  # Hq 8, Hkv 2, Hi 4, Hki 1
+    msa = MSAModelConfig.from_hf_config(hf)
+    for tp in (1, 2, 4, 8):
+        layouts = [msa.rank_layout(hf, tp, rank) for rank in range(tp)]
+        for rank, layout in enumerate(layouts):
+            s = layout.shape
+            q_heads = range(rank * 8 // tp, (rank + 1) * 8 // tp)
+            assert s.num_q_heads == len(q_heads)
+            assert {h // 2 for h in q_heads} == set(layout.index_heads)  # index head p serves q heads 2p, 2p+1
+            assert s.num_kv_heads == max(1, 2 // tp) and list(layout.index_key_heads) == [0]
+        # every index head is counted by exactly one rank (replicas at TP 8 count once)
+        counted = [h for layout in layouts if layout.counts_selections for h in layout.index_heads]
+        assert sorted(counted) == [0, 1, 2, 3], tp
+    assert msa.rank_layout(hf, 2, 1).describe(2) == "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1"
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, "num_attention_heads 8 is not divisible by --tensor-parallel-size 3"),
+    (16, "num_attention_heads 8 is not divisible by --tensor-parallel-size 16"),
+])
+def test_tensor_parallel_sizes_the_heads_cannot_follow_are_refused_by_name(tp, message):
+    hf = _HF(msa_config=MSA)
+    with pytest.raises(MSAConfigError, match=message):
+        MSAModelConfig.from_hf_config(hf).rank_layout(hf, tp, 0)
+    hf = _HF(num_attention_heads=12, num_key_value_heads=3, msa_config=MSA | {"num_index_heads": 6})
+    with pytest.raises(MSAConfigError, match="num_key_value_heads 3 is not divisible by --tensor-parallel-size 2"):
+        MSAModelConfig.from_hf_config(hf).rank_layout(hf, 2, 0)
+
+
+def test_sizing_reads_the_cache_specs_vllm_allocates(demo_model):
+    from vllm_msa import sizing
+
+    text, msa, m3 = sizing.load(demo_model)
+    assert not m3
+    # bf16: K/V 2 x Hkv 2 x D 32 x 2 B in 4 layers; proxy keys Dp 32 x 2 B in the 3 MSA layers
+    assert sizing.cache_bytes_per_token(text, msa, range(4), tp=1) == (4 * 256, 3 * 64)
+    assert sizing.cache_bytes_per_token(text, msa, range(4), tp=2) == (4 * 128, 3 * 64)  # 1 KV head per rank
+    report = sizing.size(demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16",
+                         contexts=[4096])
+    assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in report

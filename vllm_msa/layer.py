@@ -21,7 +21,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm_msa import metrics, selection_log
+from vllm_msa import compat, metrics, selection_log
 from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
 from vllm_msa.config import MSAConfigError
 from vllm_msa.proxy_cache import ProxyKeyCache
@@ -55,6 +55,8 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
+        # Under tensor parallelism each rank selects for its own index heads; the first rank's are logged.
+        self.logs_selection = compat.tensor_parallel_rank_and_size()[0] == 0
         forward_context = vllm_config.compilation_config.static_forward_context
         if prefix in forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -71,15 +73,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
                 f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
                 f"{self.shape.block_size} (its msa_config.block_size), not {block_size}"
             )
-        return FlashMSABackend.customize_spec(
-            FullAttentionSpec(
-                block_size=block_size,
-                num_kv_heads=self.shape.num_kv_heads,
-                head_size=self.shape.head_dim,
-                head_size_v=self.shape.head_dim,
-                dtype=self.kv_cache_torch_dtype,
-            )
-        )
+        return kv_cache_spec(self.shape, self.kv_cache_torch_dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor
@@ -115,10 +109,18 @@ class MSAAttention(nn.Module, AttentionLayerBase):
             stats.record(selected, batch.positions, s.block_size, layers=self.metrics_layers)
             stats.publish()
         capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
-        if selection_log.labels_by_key and not capturing:
+        if selection_log.labels_by_key and self.logs_selection and not capturing:
             selection_log.log_selection(
                 self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens, metadata.request_keys
             )
+
+
+def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
+    """The K/V cache spec FLASH_MSA gives vLLM for a layer of this (per-rank) shape, MSA or dense."""
+    return FlashMSABackend.customize_spec(
+        FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
+                          head_size_v=shape.head_dim, dtype=dtype)
+    )
 
 
 @eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention

@@ -60,13 +60,12 @@ class ProxyKeyCache(nn.Module, AttentionLayerBase):
         return ProxyKeyCacheBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        # MLAAttentionSpec budgets one vector per token (no separate V).
-        return MLAAttentionSpec(
-            block_size=vllm_config.cache_config.block_size,
-            num_kv_heads=1,
-            head_size=self.num_key_heads * self.head_dim,
-            dtype=self.dtype,
-        )
+        return proxy_cache_spec(self.num_key_heads, self.head_dim, vllm_config.cache_config.block_size, self.dtype)
 
     def forward(self) -> None:  # the cache is filled by its MSA layer
         raise RuntimeError("ProxyKeyCache holds pages only")
+
+
+def proxy_cache_spec(num_key_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The proxy-key cache spec FLASH_MSA gives vLLM: MLAAttentionSpec budgets one vector per token (no V)."""
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=num_key_heads * head_dim, dtype=dtype)

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from kernels import ops
+from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
@@ -37,32 +38,40 @@ class FlashMSAAttention(nn.Module):
                  bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type=None) -> None:
         super().__init__()
         msa = MSAModelConfig.from_hf_config(config)
-        shape = msa.layer_shape(config)
+        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
+        layout = msa.rank_layout(config, tp_size, tp_rank)
+        full, shape = msa.layer_shape(config), layout.shape
         self.shape = shape
         d, dp = shape.head_dim, shape.index_head_dim
         self.q_size, self.kv_size = shape.num_q_heads * d, shape.num_kv_heads * d
+        # This rank's index (key) heads within the replicated projections' outputs.
+        self.index_q_cols = slice(layout.index_heads.start * dp, layout.index_heads.stop * dp)
+        self.index_k_cols = slice(layout.index_key_heads.start * dp, layout.index_key_heads.stop * dp)
         self.qkv_proj = QKVParallelLinear(hidden_size, d, num_heads, num_kv_heads, bias=bias,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(num_heads * d, hidden_size, bias=bias_o_proj,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.index_q_proj = ReplicatedLinear(hidden_size, shape.num_index_heads * dp, bias=False,
+        # Replicated: every rank projects all index (key) heads, then keeps its own (at most Hi x Dp columns,
+        # small beside q/k/v), so any split of heads over ranks loads the checkpoint's weights unchanged.
+        self.index_q_proj = ReplicatedLinear(hidden_size, full.num_index_heads * dp, bias=False,
                                              quant_config=quant_config, prefix=f"{prefix}.index_q_proj")
-        self.index_k_proj = ReplicatedLinear(hidden_size, shape.num_index_key_heads * dp, bias=False,
+        self.index_k_proj = ReplicatedLinear(hidden_size, full.num_index_key_heads * dp, bias=False,
                                              quant_config=quant_config, prefix=f"{prefix}.index_k_proj")
         self.index_q_norm = RMSNorm(dp, eps=config.rms_norm_eps)
         self.index_k_norm = RMSNorm(dp, eps=config.rms_norm_eps)
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
+        metrics_layers = msa.metrics_layers(config.num_hidden_layers, extract_layer_index(prefix))
         self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=msa.metrics_layers(config.num_hidden_layers, extract_layer_index(prefix)))
+                                 metrics_layers=metrics_layers if layout.counts_selections else 0)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        index_q = self._norm_heads(self.index_q_norm, self.index_q_proj(hidden_states)[0])
-        index_k = self._norm_heads(self.index_k_norm, self.index_k_proj(hidden_states)[0])
+        index_q = self._norm_heads(self.index_q_norm, self.index_q_proj(hidden_states)[0][:, self.index_q_cols])
+        index_k = self._norm_heads(self.index_k_norm, self.index_k_proj(hidden_states)[0][:, self.index_k_cols])
         index_q, index_k = self.index_rotary_emb(positions, index_q, index_k)
         output, _ = self.o_proj(self.attn(q, k, v, index_q, index_k))
         return output
@@ -84,12 +93,15 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
         sparse = msa.sparse_layers(hf_config.num_hidden_layers)
-        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, msa.layer_shape(hf_config)
+        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
+        layout = msa.rank_layout(hf_config, tp_size, tp_rank)
+        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
         logger.info(
-            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
+            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
             "dense layers %s on the selected attention backend (on FLASH_MSA: %s)",
             sparse, ops.describe(device, dtype, shape), msa.topk_blocks, msa.block_size, msa.local_blocks,
-            msa.init_blocks, list(msa.dense_layers), describe_dense(device, dtype, shape.head_dim),
+            msa.init_blocks, layout.describe(tp_size), list(msa.dense_layers),
+            describe_dense(device, dtype, shape.head_dim),
         )
         probe = torch.empty(0, device=device, dtype=dtype)
         kernels_serve = ops.uses_cute_proxy_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)

