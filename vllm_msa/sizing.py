@@ -75,6 +75,8 @@ def weight_bytes(text, msa: MSAModelConfig, layers: range, layout: Layout, m3: b
     shape = msa.layer_shape(text)
     d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
     kv_per_rank = max(1, hkv // tp)
+    index_heads = msa.rank_layout(text, tp, 0).shape.num_index_heads if m3 else shape.num_index_heads  # vLLM's M3
+    # splits its fused index projection as KV heads; FlashMSAForCausalLM replicates it
     moe_layers = compat.m3_moe_layers(text) if m3 else []
     linear = 0.0  # parameters of linear layers on this rank
     other = 0.0  # norms, embeddings, router: bf16
@@ -82,9 +84,7 @@ def weight_bytes(text, msa: MSAModelConfig, layers: range, layout: Layout, m3: b
         linear += h * (hq // tp) * d * 2 + h * kv_per_rank * d * 2  # q and o; k and v
         other += 2 * h
         if msa.is_sparse(layer):
-            index = msa.rank_layout(text, tp, 0)
-            per_rank_index = index.shape.num_index_heads if m3 else shape.num_index_heads  # vLLM's M3 splits them
-            linear += h * (per_rank_index + shape.num_index_key_heads) * shape.index_head_dim
+            linear += h * (index_heads + shape.num_index_key_heads) * shape.index_head_dim
             other += 2 * shape.index_head_dim
         if not m3:
             linear += 3 * h * text.intermediate_size / tp
