@@ -197,12 +197,12 @@ def replicated_model(tmp_path_factory):
                             msa_config={"num_index_heads": 1})
 
 
-def assert_selections_counted_once(metrics, prompts):
-    """One selection per computed query token, MSA layer (3) and index head (4), whatever the ranks:
+def assert_selections_counted_once(metrics, prompts, index_heads=4):
+    """One selection per computed query token, MSA layer (3) and index head, whatever the ranks:
     replicas and pipeline stages must not count twice. Computed: both passes' prompt tokens less the
     prefix-cache hits, plus MAX_TOKENS - 1 decode steps per request and pass."""
     computed = 2 * sum(len(p) + MAX_TOKENS - 1 for p in prompts) - metrics["vllm:prefix_cache_hits"]
-    assert metrics["vllm:msa_selections"] == computed * 3 * 4
+    assert metrics["vllm:msa_selections"] == computed * 3 * index_heads
 
 
 @pytest.mark.parametrize("layout", ["msa_tp2", "msa_pp2"])
@@ -218,5 +218,4 @@ def test_replicated_kv_and_index_heads_at_tp2_give_tp1s_greedy_tokens(replicated
     first, second, metrics = twice_with_metrics(replicated_model, prompts, tensor_parallel_size=2)
     assert tp1_second == tp1_first
     assert first == tp1_first and second == tp1_first
-    computed = 2 * sum(len(p) + MAX_TOKENS - 1 for p in prompts) - metrics["vllm:prefix_cache_hits"]
-    assert metrics["vllm:msa_selections"] == computed * 3 * 1  # one index head, held by both ranks
+    assert_selections_counted_once(metrics, prompts, index_heads=1)  # one index head, held by both ranks
