@@ -3,7 +3,7 @@ vLLM's /metrics by the API server.
 
 vLLM runs the model in a worker process; /metrics is served by the API server process. Transport:
 the plugin, loaded first in the API server (the process tree's root), creates a directory, names it
-in VLLM_MSA_METRICS_DIR for the engine and worker processes it spawns, and registers MSACollector
+in FLASH_MSA_METRICS_DIR for the engine and worker processes it spawns, and registers MSACollector
 on prometheus_client's default registry (the one vLLM's /metrics serves with one API server). Each
 worker keeps running totals on its device and copies them once per step into its own small
 memory-mapped file there; the collector sums the files of live workers when /metrics is scraped.
@@ -46,7 +46,7 @@ import torch
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-DIR_ENV = "VLLM_MSA_METRICS_DIR"
+DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at start-up about VLLM_* names it does not know
 READ_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 COUNTERS = {
     "selections": "Top-k block selections by FLASH_MSA layers (one per query token, MSA layer and index head).",
