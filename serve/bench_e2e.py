@@ -1,11 +1,11 @@
 """End-to-end serving benchmark: one checkpoint served several ways, `vllm bench serve` against each.
 
 Owns the serving comparison of issue 4. Each server configuration is the real `vllm serve MODEL_DIR
-<config args> <extra args>` on 127.0.0.1, sized for the load (--max-num-seqs = --concurrency: few
+<config args> <extra args>` on 127.0.0.1, sized for the load (--max-num-seqs = the largest --concurrency: few
 CUDA graphs to capture) and without prefix caching (the warm-up requests repeat the first prompt).
 Once /health answers, `vllm bench serve` (random dataset, fixed input and output lengths,
 --ignore-eos, bounded concurrency, --warmups requests first so kernel compilation and autotuning
-stay out of the numbers) runs once per input length, then the server stops.
+stay out of the numbers) runs once per input length and --concurrency value, then the server stops.
 
 By default the servers run one after another, each with --gpu-memory-utilization. With
 --parallel-start all of them start at once on ports --port, --port+1, ..., each with an equal share
@@ -14,9 +14,10 @@ failed, they are benchmarked one after another. Progress (server, input length) 
 goes; a server that fails to start, dies, or whose benchmark fails is reported with its log tail,
 and the other servers are still measured.
 
---out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length and
-configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's), one SVG bar chart per input length
-(e2e-LEN.svg), the raw `vllm bench` JSON, and the server and bench logs.
+--out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length, concurrency
+and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's), one SVG
+bar chart per input length and concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON, and the
+server and bench logs.
 
 Default configurations, by the checkpoint's architecture (--config NAME='ARGS' replaces them):
 - FlashMSAForCausalLM: `FLASH_MSA`; `dense`: the same weights with every layer dense
@@ -35,7 +36,7 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
   (--dense-backend replaces FLASH_ATTN.)
 
     python serve/bench_e2e.py MODEL_DIR --input-lens 8192 32768 131072 [--output-len 128]
-        [--num-prompts 16] [--concurrency 4] [--warmups 1] [--config NAME='vllm serve args' ...]
+        [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--config NAME='vllm serve args' ...]
         [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
         [--port 8123] [--out DIR] [-- extra args for every server]
 
@@ -83,7 +84,7 @@ class Server:
     log: Path
     proc: subprocess.Popen | None = None
     started: float = 0.0
-    results: dict[int, dict] = field(default_factory=dict)
+    results: dict[tuple[int, int], dict] = field(default_factory=dict)  # (input length, concurrency): result
     errors: list[str] = field(default_factory=list)
 
 
@@ -156,7 +157,7 @@ def start_server(server: Server, memory_share: float, common: list[str], opts) -
         return
     cmd = [*vllm_command(), "serve", str(opts.model_dir), "--served-model-name", "bench", "--host", "127.0.0.1",
            "--port", str(server.port), "--max-model-len", str(max(opts.input_lens) + opts.output_len + PROMPT_SLACK),
-           "--gpu-memory-utilization", f"{memory_share:.3f}", "--max-num-seqs", str(opts.concurrency),
+           "--gpu-memory-utilization", f"{memory_share:.3f}", "--max-num-seqs", str(max(opts.concurrency)),
            "--no-enable-prefix-caching", *server.args, *common]
     print(f"[{server.name}] starting on port {server.port}: {shlex.join(cmd)}", flush=True)
     with open(server.log, "w") as log_file:  # the child keeps its own descriptor
@@ -199,40 +200,42 @@ def stop_server(server: Server) -> None:
 # ------------------------------------------------------------------------------------------ benchmark
 
 
-def bench_command(server: Server, input_len: int, filename: str, opts) -> list[str]:
+def bench_command(server: Server, input_len: int, concurrency: int, filename: str, opts) -> list[str]:
     return [*vllm_command(), "bench", "serve", "--backend", "vllm", "--model", "bench",
             "--tokenizer", str(opts.model_dir), "--base-url", f"http://127.0.0.1:{server.port}",
             "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(opts.output_len), "--ignore-eos",
-            "--num-prompts", str(opts.num_prompts), "--max-concurrency", str(opts.concurrency),
+            "--num-prompts", str(max(opts.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
             "--num-warmups", str(opts.warmups),
             "--save-result", "--result-dir", str(opts.out), "--result-filename", filename]
 
 
-def bench_length(server: Server, input_len: int, step: str, opts) -> None:
+def bench_load(server: Server, input_len: int, concurrency: int, step: str, opts) -> None:
     """One `vllm bench serve` run; its result goes to server.results, a failure to server.errors."""
+    load = f"input {input_len}, concurrency {concurrency}"
     if server.proc.poll() is not None:
-        report_failure(server, f"server exited with {server.proc.returncode} before input {input_len}", server.log)
+        report_failure(server, f"server exited with {server.proc.returncode} before {load}", server.log)
         return
-    print(f"[{server.name}] input {input_len} ({step}): vllm bench serve ...", flush=True)
-    filename, log = f"{server.name}-{input_len}.json", opts.out / f"bench-{server.name}-{input_len}.log"
+    print(f"[{server.name}] {load} ({step}): vllm bench serve ...", flush=True)
+    stem = f"{server.name}-{input_len}-c{concurrency}"
+    filename, log = f"{stem}.json", opts.out / f"bench-{stem}.log"
     started = time.time()
     try:
-        done = subprocess.run(bench_command(server, input_len, filename, opts), capture_output=True, text=True,
-                              timeout=opts.bench_timeout)
+        done = subprocess.run(bench_command(server, input_len, concurrency, filename, opts), capture_output=True,
+                              text=True, timeout=opts.bench_timeout)
         log.write_text(done.stdout + done.stderr)
-        failure = f"vllm bench serve exited with {done.returncode} at input {input_len}" if done.returncode else None
+        failure = f"vllm bench serve exited with {done.returncode} at {load}" if done.returncode else None
     except subprocess.TimeoutExpired:
-        failure = f"vllm bench serve ran past {opts.bench_timeout:.0f} s at input {input_len}"
+        failure = f"vllm bench serve ran past {opts.bench_timeout:.0f} s at {load}"
         log.write_text(failure + "\n")
     if failure:
         report_failure(server, failure, log)
         return
-    result = server.results[input_len] = json.loads((opts.out / filename).read_text())
+    result = server.results[input_len, concurrency] = json.loads((opts.out / filename).read_text())
     row = ", ".join(f"{label} {result[key]:.1f}" for key, label in METRICS)
-    print(f"[{server.name}] input {input_len}: {row} ({time.time() - started:.0f} s)", flush=True)
+    print(f"[{server.name}] {load}: {row} ({time.time() - started:.0f} s)", flush=True)
     if result["failed"]:
-        report_failure(server, f"{result['failed']} of {result['num_prompts']} requests failed at input {input_len}; "
+        report_failure(server, f"{result['failed']} of {result['num_prompts']} requests failed at {load}; "
                        "its numbers cover the others", log)
 
 
@@ -244,8 +247,8 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
             start_server(server, opts.gpu_memory_utilization / len(servers), common, opts)
         wait_healthy(servers, opts.startup_timeout)
         for server in [s for s in servers if not s.errors]:
-            for i, input_len in enumerate(opts.input_lens, 1):
-                bench_length(server, input_len, f"length {i}/{len(opts.input_lens)}", opts)
+            for i, (input_len, concurrency) in enumerate(opts.loads, 1):
+                bench_load(server, input_len, concurrency, f"load {i}/{len(opts.loads)}", opts)
     finally:
         for server in servers:
             stop_server(server)
@@ -254,20 +257,20 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
 # ------------------------------------------------------------------------------------------- report
 
 
-def table(servers: list[Server], input_lens) -> str:
+def table(servers: list[Server], loads: list[tuple[int, int]]) -> str:
     base = servers[0]
     header = [label for _, label in METRICS] + [f"{label} {base.name} / this" for _, label in RATIOS]
-    lines = ["| input | config | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
-    for input_len in input_lens:
+    lines = ["| input | concurrency | config | " + " | ".join(header) + " |", "|---|---|---|" + "---|" * len(header)]
+    for load in loads:
         for server in servers:
-            r = server.results.get(input_len)
+            r = server.results.get(load)
             if r is None:
                 cells = ["failed"] + ["-"] * (len(header) - 1)
             else:
-                b = base.results.get(input_len)
+                b = base.results.get(load)
                 cells = [f"{r[key]:.1f}" for key, _ in METRICS]
                 cells += [f"{b[key] / r[key]:.2f}" if b and r[key] else "-" for key, _ in RATIOS]
-            lines.append(f"| {input_len} | {server.name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {load[0]} | {load[1]} | {server.name} | " + " | ".join(cells) + " |")
     errors = [f"- {s.name}: {e}" for s in servers for e in s.errors]
     return "\n".join(lines + (["", "Failures:", *errors] if errors else []))
 
@@ -294,15 +297,16 @@ def bar_chart_svg(title: str, names: list[str], results: list[dict], colors: lis
             + "".join(panels) + "</svg>\n")
 
 
-def plot(servers: list[Server], input_lens, out: Path) -> list[Path]:
-    """One chart per input length over the configurations measured at it (a configuration keeps its color)."""
+def plot(servers: list[Server], loads: list[tuple[int, int]], out: Path) -> list[Path]:
+    """One chart per load (input length, concurrency) over the configurations measured at it (a
+    configuration keeps its color)."""
     paths = []
-    for input_len in input_lens:
-        measured = [(i, s) for i, s in enumerate(servers) if input_len in s.results]
+    for load in loads:
+        measured = [(i, s) for i, s in enumerate(servers) if load in s.results]
         if measured:
-            paths.append(out / f"e2e-{input_len}.svg")
-            paths[-1].write_text(bar_chart_svg(f"input {input_len} tokens", [s.name for _, s in measured],
-                                               [s.results[input_len] for _, s in measured],
+            paths.append(out / f"e2e-{load[0]}-c{load[1]}.svg")
+            paths[-1].write_text(bar_chart_svg(f"input {load[0]} tokens, concurrency {load[1]}",
+                                               [s.name for _, s in measured], [s.results[load] for _, s in measured],
                                                [COLORS[i % len(COLORS)] for i, _ in measured]))
     return paths
 
@@ -317,8 +321,9 @@ def parse_args(argv):
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--input-lens", type=int, nargs="+", required=True)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests per load (at least its concurrency)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[4],
+                        help="concurrent requests of a load; several values: one load each, same servers")
     parser.add_argument("--warmups", type=int, default=1, help="unmeasured requests before each run (default 1)")
     parser.add_argument("--config", action="append", default=[], metavar="NAME='ARGS'",
                         help="a server configuration (repeatable); default: by the checkpoint's architecture")
@@ -334,6 +339,7 @@ def parse_args(argv):
     opts = parser.parse_args(argv)
     if not (opts.model_dir / "config.json").is_file():
         parser.error(f"{opts.model_dir} holds no config.json")
+    opts.loads = [(n, c) for n in opts.input_lens for c in opts.concurrency]  # benchmarked in this order
     return opts, common
 
 
@@ -346,10 +352,10 @@ def main(argv=None):
                for i, (name, args) in enumerate(configs.items())]
     for group in [servers] if opts.parallel_start else [[s] for s in servers]:
         run_together(group, common, opts)
-    report = table(servers, opts.input_lens)
+    report = table(servers, opts.loads)
     (opts.out / "summary.md").write_text(report + "\n")
     print(report)
-    for path in plot(servers, opts.input_lens, opts.out):
+    for path in plot(servers, opts.loads, opts.out):
         print(f"plot: {path}")
     return servers
 

@@ -133,21 +133,24 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
     stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
     monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
     out = tmp_path / "out"
-    servers = bench_e2e.main([str(demo_model), "--input-lens", "100", "200", "--parallel-start", "--port", str(port),
+    servers = bench_e2e.main([str(demo_model), "--input-lens", "100", "200", "--concurrency", "1", "4",
+                              "--parallel-start", "--port", str(port),
                               "--config", "A=--attention-backend FLASH_MSA", "--config", "B=--attention-backend X",
                               "--config", "C=--attention-backend BROKEN", "--out", str(out), "--", "--enforce-eager"])
     printed = capsys.readouterr().out
     a, b, c = servers
     assert [s.port for s in servers] == [port, port + 1, port + 2]
-    assert a.results[200]["mean_tpot_ms"] == 2.0 and b.results[200]["mean_tpot_ms"] == 4.0 and not c.results
+    assert a.results[200, 4]["mean_tpot_ms"] == 2.0 and b.results[200, 1]["mean_tpot_ms"] == 4.0 and not c.results
     assert c.errors == ["server exited with 1 before it was healthy (see server-C.log)"]
     assert "unknown attention backend BROKEN" in printed  # the log tail
-    assert "[B] input 200 (length 2/2): vllm bench serve" in printed
+    assert "[B] input 200, concurrency 4 (load 4/4): vllm bench serve" in printed
     for server in servers:  # each its share of the device; the extra args last
         argv = json.loads(server.log.read_text().split("serve ", 1)[1].splitlines()[0])
         assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.300" and argv[-1] == "--enforce-eager"
+        assert argv[argv.index("--max-num-seqs") + 1] == "4"  # the largest concurrency
     summary = (out / "summary.md").read_text()
-    assert "| 200 | B | 40.0 | 4.0 | 2.0 | 500.0 | 0.50 | 0.50 | 0.50 |" in summary
-    assert "| 100 | C | failed |" in summary and "- C: server exited with 1" in summary
-    assert sorted(p.name for p in out.glob("*.svg")) == ["e2e-100.svg", "e2e-200.svg"]
-    assert ">B</text>" in (out / "e2e-200.svg").read_text()
+    assert "| 200 | 4 | B | 40.0 | 4.0 | 2.0 | 500.0 | 0.50 | 0.50 | 0.50 |" in summary
+    assert "| 100 | 1 | C | failed |" in summary and "- C: server exited with 1" in summary
+    assert sorted(p.name for p in out.glob("*.svg")) == ["e2e-100-c1.svg", "e2e-100-c4.svg", "e2e-200-c1.svg",
+                                                         "e2e-200-c4.svg"]
+    assert ">B</text>" in (out / "e2e-200-c4.svg").read_text()
