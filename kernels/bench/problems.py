@@ -1,0 +1,52 @@
+"""The benchmark problems every kernels/bench script shares: MiniMax-M3's layer shape and random paged batches.
+
+M3_SHAPE   one MSA layer of MiniMax-M3: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, top-16 of 128-token blocks
+SCALE      its softmax scale, D^-0.5
+CONTEXTS   the context lengths of the tables; DECODE_BATCHES the decode batch sizes
+paged_problem  random bf16 caches, queries and a block selection for a batch of (context, new tokens)
+               requests, laid out as vLLM lays them out (decode requests first where the batch mixes)
+"""
+
+import torch
+
+from kernels import reference
+from kernels.shapes import MSAShape, PagedBatch
+
+M3_SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
+                    index_head_dim=128, topk_blocks=16)
+SCALE = M3_SHAPE.head_dim**-0.5
+CONTEXTS = (8192, 32768, 131072)
+DECODE_BATCHES = (1, 8, 32)
+
+
+def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, seed: int = 0):
+    """Inputs of one MSA layer for requests (context tokens, of which new) on the GPU: the batch, q, index_q,
+    the K/V cache [pages, 2, B, Hkv, D], the index-key cache [pages, B, Hki, Dp] and a selection made from
+    random block scores (decode cost depends only on how many blocks are picked)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b = shape.block_size
+    blocks = [-(-context // b) for context, _ in requests]
+    pages = torch.randperm(sum(blocks), device="cuda", generator=g).to(torch.int32)
+    table = torch.full((len(requests), max(blocks)), -1, dtype=torch.int32, device="cuda")
+    first = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = pages[first:first + n]
+        first += n
+    q_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
+    batch = PagedBatch(
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).cuda(),
+        seq_lens=torch.tensor([context for context, _ in requests], dtype=torch.int32, device="cuda"),
+        block_table=table,
+    )
+    tokens = batch.num_tokens
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", generator=g).to(torch.bfloat16)
+
+    kv = randn(sum(blocks), 2, b, shape.num_kv_heads, shape.head_dim)
+    index_cache = randn(sum(blocks), b, shape.num_index_key_heads, shape.index_head_dim)
+    q = randn(tokens, shape.num_q_heads, shape.head_dim)
+    index_q = randn(tokens, shape.num_index_heads, shape.index_head_dim)
+    scores = torch.randn(tokens, shape.num_index_heads, max(blocks), device="cuda", generator=g)
+    selected = reference.select_blocks(scores, batch.positions, shape)
+    return batch, q, index_q, kv, index_cache, selected
