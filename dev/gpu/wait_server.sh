@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wait until the server that serve/gpu/start_server.sh started on PORT (default 8000) answers /health;
+# Wait until the server that dev/gpu/start_server.sh started on PORT (default 8000) answers /health;
 # print the startup facts from its log (backend, kernels, CUDA graphs, KV cache). Exit 1 with the log
 # tail if it died or was not healthy within TIMEOUT seconds (default 400).
 set -uo pipefail
