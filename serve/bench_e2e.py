@@ -62,9 +62,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
+from serve.health import NotHealthyError, healthy, wait_healthy  # noqa: E402
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
 METRICS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("median_itl_ms", "ITL p50 ms"),
@@ -83,9 +85,13 @@ class Server:
     port: int
     log: Path
     proc: subprocess.Popen | None = None
-    started: float = 0.0
+    started: float = 0.0  # time.monotonic() at the start
     results: dict[tuple[int, int], dict] = field(default_factory=dict)  # (input length, concurrency): result
     errors: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 # ------------------------------------------------------------------------------------ configurations
@@ -133,14 +139,6 @@ def vllm_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def is_healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-            return True
-    except OSError:
-        return False
-
-
 def log_tail(path: Path) -> str:
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join(lines[-LOG_TAIL_LINES:])
@@ -152,7 +150,7 @@ def report_failure(server: Server, message: str, log: Path) -> None:
 
 
 def start_server(server: Server, memory_share: float, common: list[str], opts) -> None:
-    if is_healthy(server.port):
+    if healthy(server.url):
         report_failure(server, f"port {server.port} already serves something", server.log)
         return
     cmd = [*vllm_command(), "serve", str(opts.model_dir), "--served-model-name", "bench", "--host", "127.0.0.1",
@@ -162,26 +160,19 @@ def start_server(server: Server, memory_share: float, common: list[str], opts) -
     print(f"[{server.name}] starting on port {server.port}: {shlex.join(cmd)}", flush=True)
     with open(server.log, "w") as log_file:  # the child keeps its own descriptor
         server.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server.started = time.time()
+    server.started = time.monotonic()
 
 
-def wait_healthy(servers: list[Server], timeout_s: float) -> None:
-    """Poll the started servers until each is healthy, has exited or ran out of time; print each outcome."""
-    pending = [s for s in servers if s.proc is not None]
-    while pending:
-        for server in list(pending):
-            waited = time.time() - server.started
-            if server.proc.poll() is not None:
-                report_failure(server, f"server exited with {server.proc.returncode} before it was healthy", server.log)
-            elif is_healthy(server.port):
-                print(f"[{server.name}] healthy after {waited:.0f} s", flush=True)
-            elif waited > timeout_s:
-                report_failure(server, f"server not healthy after {timeout_s:.0f} s", server.log)
-            else:
-                continue
-            pending.remove(server)
-        if pending:
-            time.sleep(2)
+def wait_until_healthy(servers: list[Server], timeout_s: float) -> None:
+    """Wait for each started server in turn until it is healthy, has exited or ran out of time (each against
+    its own start, so servers started together keep their overlap); print each outcome."""
+    for server in [s for s in servers if s.proc is not None]:
+        try:
+            waited = wait_healthy(server.url, timeout_s, proc=server.proc, started=server.started)
+        except NotHealthyError as e:
+            report_failure(server, str(e), server.log)
+        else:
+            print(f"[{server.name}] healthy after {waited:.0f} s", flush=True)
 
 
 def stop_server(server: Server) -> None:
@@ -202,7 +193,7 @@ def stop_server(server: Server) -> None:
 
 def bench_command(server: Server, input_len: int, concurrency: int, filename: str, opts) -> list[str]:
     return [*vllm_command(), "bench", "serve", "--backend", "vllm", "--model", "bench",
-            "--tokenizer", str(opts.model_dir), "--base-url", f"http://127.0.0.1:{server.port}",
+            "--tokenizer", str(opts.model_dir), "--base-url", server.url,
             "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(opts.output_len), "--ignore-eos",
             "--num-prompts", str(max(opts.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
@@ -245,7 +236,7 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
     try:
         for server in servers:
             start_server(server, opts.gpu_memory_utilization / len(servers), common, opts)
-        wait_healthy(servers, opts.startup_timeout)
+        wait_until_healthy(servers, opts.startup_timeout)
         for server in [s for s in servers if not s.errors]:
             for i, (input_len, concurrency) in enumerate(opts.loads, 1):
                 bench_load(server, input_len, concurrency, f"load {i}/{len(opts.loads)}", opts)

@@ -10,7 +10,7 @@ model=${VLLM_MSA_DEMO_DIR:-runs/demo-msa}
 # The CPU build sizes its KV cache from --kv-cache-memory-bytes; 1 GiB holds ~40 full 8K contexts here.
 # glibc's dynamic mmap threshold lets the worker's heap keep the freed per-step temporaries of the
 # PyTorch path: under load its RSS grew by ~700 MiB in 2 minutes; with a fixed 128 KiB threshold
-# larger blocks go back to the OS on free and RSS stays flat (loadtests/README.md, soak).
+# larger blocks go back to the OS on free and RSS stays flat (results/README.md, demo server soak on CPU).
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-131072}
 exec .venv/bin/vllm serve "$model" \
   --attention-backend FLASH_MSA \

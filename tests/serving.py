@@ -1,16 +1,17 @@
-"""Starting the demo server for tests: a free loopback port, /health, and `bash serve/demo.sh` as the README runs it."""
+"""Starting the demo server for tests: a free loopback port, `bash serve/demo.sh` as the README runs it, and
+the wait for its /health (`serve/health.py`)."""
 
 import os
 import signal
 import socket
 import subprocess
-import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from serve.health import NotHealthyError, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600
@@ -29,14 +30,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @contextmanager
 def demo_server(log_dir: Path, flags: list[str], env: dict[str, str] | None = None):
     """`bash serve/demo.sh --port P FLAGS` until /health answers; stopped (its process group) on exit."""
@@ -48,13 +41,12 @@ def demo_server(log_dir: Path, flags: list[str], env: dict[str, str] | None = No
         ["bash", "serve/demo.sh", "--port", str(port), *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | (env or {}),
     )
-    started = time.monotonic()
     try:
-        while not healthy(url):
-            if proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                pytest.fail(f"server did not come up (rc={proc.poll()}):\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
-        print(f"\nserver up in {time.monotonic() - started:.0f} s")
+        try:
+            waited = wait_healthy(url, START_TIMEOUT_S, proc=proc)
+        except NotHealthyError as e:
+            pytest.fail(f"server did not come up: {e}:\n{log_path.read_text()[-4000:]}")
+        print(f"\nserver up in {waited:.0f} s")
         yield Server(url, log_path, proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -21,7 +21,8 @@ import requests
 
 from loadtests.run_load import run as run_load_test
 from serve.build_demo_model import DEFAULT_CONFIG
-from tests.serving import demo_server, healthy
+from serve.health import healthy
+from tests.serving import demo_server
 from vllm_msa.metrics import SAMPLE_EVERY
 
 pytestmark = pytest.mark.slow

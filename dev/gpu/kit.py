@@ -1,7 +1,7 @@
-"""Helpers for serve/gpu/stage_vllm.sh (run here, on the staging machine; any Python >= 3.9 with pip).
+"""Helpers for dev/gpu/stage_vllm.sh (run here, on the staging machine; any Python >= 3.9 with pip).
 
-    python3 serve/gpu/kit.py resolve REPORT.json KINDS.md LOCK ROOT...  # pip's resolution -> what the GPU lacks
-    python3 serve/gpu/kit.py repack SRC_DIR DST_DIR [--keep-fa2]  # stored (uncompressed) wheels, vLLM trimmed
+    python3 dev/gpu/kit.py resolve REPORT.json KINDS.md LOCK ROOT...  # pip's resolution -> what the GPU lacks
+    python3 dev/gpu/kit.py repack SRC_DIR DST_DIR [--keep-fa2]  # stored (uncompressed) wheels, vLLM trimmed
 
 `resolve` reads a `pip install --dry-run --report` of vLLM (the ROOTs) for cp312/manylinux x86_64 and keeps
 the packages reachable from the ROOTs (vllm, locust) through Requires-Dist (markers evaluated for Linux x86_64 CPython
@@ -105,7 +105,7 @@ def resolve(report, kinds_md, lock, *roots):
                 stack.append((cn(req.name), frozenset(req.extras), name))
     with open(lock, "w") as f:
         f.write(f"# {' '.join(roots)} (CUDA 13 builds) and what the GPU machine lacks of their requirements, for cp312\n"
-                "# manylinux x86_64. Written by `bash serve/gpu/stage_vllm.sh --resolve`; read by stage_vllm.sh.\n"
+                "# manylinux x86_64. Written by `bash dev/gpu/stage_vllm.sh --resolve`; read by stage_vllm.sh.\n"
                 "# Not carried: torchvision/torchaudio, the packages KINDS.md lists as present,\n"
                 "# and these (never loaded by this project on the GPU):\n")
         for name in sorted(FORCE):

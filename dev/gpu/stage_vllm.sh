@@ -4,17 +4,17 @@
 # machine lacks of the rest of its requirements, for the GPU machine (no package index, at most
 # 64 MiB a device call).
 #
-#   bash serve/gpu/stage_vllm.sh [--resolve] [--keep-fa2]
+#   bash dev/gpu/stage_vllm.sh [--resolve] [--keep-fa2]
 #
 #   --resolve   re-run pip's resolution for vllm==$vllm_version (cp312, manylinux x86_64) and rewrite
-#               serve/gpu/vllm-gpu.lock; without it the pinned lock is staged as it is.
+#               dev/gpu/vllm-gpu.lock; without it the pinned lock is staged as it is.
 #   --keep-fa2  keep FlashAttention-2 (vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so) in the vllm wheel;
 #               about 2 more parts. By default it is removed: on sm_90 vLLM runs FA3.
 #
 # Wheels are rewritten uncompressed, tarred, packed with xz (xz finds the long repeats in GPU
 # binaries that the wheels' deflate misses) and split into parts of 48 MiB in .devkit-vllm/ (ignored
-# through .git/info/exclude). Each part travels in its own device call (see serve/gpu/README.md);
-# serve/gpu/recv_vllm.sh collects them on the GPU machine, serve/gpu/install_vllm.sh installs them
+# through .git/info/exclude). Each part travels in its own device call (see dev/gpu/README.md);
+# dev/gpu/recv_vllm.sh collects them on the GPU machine, dev/gpu/install_vllm.sh installs them
 # into /tmp/site. Needs python3 with pip, xz, tar, split, sha256sum; downloads ~1.8 GB from PyPI.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,7 +29,7 @@ for a in "$@"; do
   case $a in
     --resolve) resolve=1 ;;
     --keep-fa2) keep_fa2=(--keep-fa2) ;;
-    *) echo "usage: bash serve/gpu/stage_vllm.sh [--resolve] [--keep-fa2]" >&2; exit 2 ;;
+    *) echo "usage: bash dev/gpu/stage_vllm.sh [--resolve] [--keep-fa2]" >&2; exit 2 ;;
   esac
 done
 step() { echo "[stage_vllm $(date +%T)] $*"; }
@@ -61,7 +61,7 @@ if [ $resolve = 1 ]; then
   python3 "$here/kit.py" resolve "$work/report.json" "$kinds" "$lock" "${roots[@]}"
 fi
 
-step "downloading $(grep -c '^[^#]' "$lock") wheels pinned in serve/gpu/vllm-gpu.lock"
+step "downloading $(grep -c '^[^#]' "$lock") wheels pinned in dev/gpu/vllm-gpu.lock"
 grep -o '^[^# ]*' "$lock" > "$work/pins.txt"
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" -r "$work/pins.txt" \
   2> >(grep -v 'is ignored: it is neither' >&2)
@@ -95,8 +95,8 @@ holds the parts while it stays warm). One call per part, $n in all:
 MSG
 for i in $(seq 0 $((n - 2))); do
   p=$(printf '%02d' "$i")
-  echo "  call $((i + 1)): carry [\".devkit-vllm/part$p\", \".devkit-vllm/SHA256\"]  command: bash serve/gpu/recv_vllm.sh"
+  echo "  call $((i + 1)): carry [\".devkit-vllm/part$p\", \".devkit-vllm/SHA256\"]  command: bash dev/gpu/recv_vllm.sh"
 done
 echo "  call $n: carry [\".devkit-vllm/part$last\", \".devkit-vllm/SHA256\"]  command:"
-echo "      bash serve/gpu/recv_vllm.sh && source serve/gpu/install_vllm.sh && python3 serve/gpu/check_vllm.py"
-echo "Later calls on the same warm machine: source serve/gpu/install_vllm.sh (skips the install) before using vllm."
+echo "      bash dev/gpu/recv_vllm.sh && source dev/gpu/install_vllm.sh && python3 dev/gpu/check_vllm.py"
+echo "Later calls on the same warm machine: source dev/gpu/install_vllm.sh (skips the install) before using vllm."

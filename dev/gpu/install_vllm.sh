@@ -7,7 +7,7 @@ _vk=/tmp/devkit-vllm
 _vsite=${VLLM_SITE:-/tmp/site}
 _vsha=$(cut -d' ' -f1 "$_vk/SHA256" 2>/dev/null)
 if [ -z "$_vsha" ]; then
-  echo "devkit-vllm: no $_vk/SHA256: run serve/gpu/recv_vllm.sh in calls carrying .devkit-vllm/SHA256" >&2; return 1
+  echo "devkit-vllm: no $_vk/SHA256: run dev/gpu/recv_vllm.sh in calls carrying .devkit-vllm/SHA256" >&2; return 1
 fi
 if [ "$(cat "$_vsite/.devkit-vllm-ok" 2>/dev/null)" != "$_vsha" ]; then
   _vt=$SECONDS

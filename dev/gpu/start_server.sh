@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine, after `source serve/gpu/install_vllm.sh`: install the plugin next to the staged
+# On the GPU machine, after `source dev/gpu/install_vllm.sh`: install the plugin next to the staged
 # vLLM, build the demo MSA model and start the real `vllm serve --attention-backend FLASH_MSA` in its
 # own process session, so it outlives this device call and serves the next calls while the machine
-# stays warm. Returns at once; serve/gpu/wait_server.sh waits for /health.
-#   PRESET=m3-attention PORT=8000 bash serve/gpu/start_server.sh [more `vllm serve` flags]
+# stays warm. Returns at once; dev/gpu/wait_server.sh waits for /health.
+#   PRESET=m3-attention PORT=8000 bash dev/gpu/start_server.sh [more `vllm serve` flags]
 # PRESET: default | m3-attention (MiniMax-M3's attention shapes, 136K context). Server log and pid:
 # /tmp/gpu-server/serve-$PORT.log, serve-$PORT.pid.
 set -euo pipefail

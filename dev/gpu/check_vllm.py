@@ -1,6 +1,6 @@
-"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after `source serve/gpu/install_vllm.sh`).
+"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after `source dev/gpu/install_vllm.sh`).
 
-    python3 serve/gpu/check_vllm.py
+    python3 dev/gpu/check_vllm.py
 
 Checks, each timed and reported PASS/WARN/FAIL: torch is the staged one (not the image's); vllm imports
 and its version; the CUDA extensions

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine, against the server of serve/gpu/start_server.sh (PORT, default 8000): the
+# On the GPU machine, against the server of dev/gpu/start_server.sh (PORT, default 8000): the
 # locust soak (loadtests/run_load.py --profile soak: streaming and non-streaming completions and
 # chats, long prompts, client cancellations, intended bad requests) with USERS concurrent users
 # (default 32) for RUN_TIME seconds (default 300), the server's RSS bounded, and its GPU memory
 # sampled every 5 s by nvidia-smi. Saves the locust report, the GPU memory trace and /metrics
 # before and after under $OUT/load (or /tmp/load-gpu).
-#   PORT=8000 USERS=32 RUN_TIME=300 PROMPT_TOKENS=8192 LONG_PROMPT_TOKENS=65536 bash serve/gpu/load_gpu.sh
+#   PORT=8000 USERS=32 RUN_TIME=300 PROMPT_TOKENS=8192 LONG_PROMPT_TOKENS=65536 bash dev/gpu/load_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 port=${PORT:-8000}; out=${OUT:-/tmp/load-gpu}/load; mkdir -p "$out"

@@ -1,0 +1,60 @@
+"""Whether a local vLLM server answers: one GET /health, and the wait until it answers 200.
+
+The one Python health-wait of the project: the tests' demo server (`tests/serving.py`), the end-to-end
+benchmark's servers (`serve/bench_e2e.py`) and the load test (`loadtests/run_load.py`) wait through it;
+the GPU tooling's shell scripts wait through `dev/gpu/wait_server.sh`. Requests go straight to the
+server, never through an HTTP proxy named in the environment: every server here listens on loopback.
+Standard library only, so the load test runs it without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class NotHealthyError(RuntimeError):
+    """The server exited, or /health did not answer 200 in time; the message says which."""
+
+
+def health_status(url: str, timeout_s: float = 5.0) -> int | str:
+    """GET {url}/health once: the HTTP status, or the name of the error that stopped the request."""
+    try:
+        with _DIRECT.open(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError as e:  # URLError included: connection refused, reset, timeout
+        return type(getattr(e, "reason", e)).__name__
+
+
+def healthy(url: str) -> bool:
+    return health_status(url) == 200
+
+
+def wait_healthy(
+    url: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    started: float | None = None,
+    interval_s: float = 2.0,
+) -> float:
+    """Poll GET {url}/health until it answers 200; return the seconds since `started`.
+
+    `started` is a `time.monotonic()` reading (default: now), so servers started together can be waited
+    for one after another, each against its own start. Raises NotHealthyError when `proc`, the server's
+    process, exits first, or when timeout_s have passed since `started`.
+    """
+    started = time.monotonic() if started is None else started
+    while (status := health_status(url)) != 200:
+        waited = time.monotonic() - started
+        if proc is not None and proc.poll() is not None:
+            raise NotHealthyError(f"server exited with {proc.returncode} before it was healthy")
+        if waited >= timeout_s:
+            raise NotHealthyError(f"server not healthy after {timeout_s:.0f} s (last answer: {status})")
+        time.sleep(min(interval_s, timeout_s - waited))
+    return time.monotonic() - started
