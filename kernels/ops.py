@@ -96,7 +96,7 @@ def select_blocks(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> t
         from kernels import cute
 
         return cute.select_blocks(scores, batch.positions, shape)
-    return reference.select_blocks(scores, batch.positions, shape)
+    return reference.topk_blocks(scores, batch.positions, shape)
 
 
 def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float, out=None):

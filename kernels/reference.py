@@ -2,7 +2,7 @@
 
 Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them):
   proxy_block_scores  index queries x paged proxy keys, causal, max-pooled per block
-  select_blocks       top-k blocks per (token, index head), local/init blocks forced, -1 padded
+  topk_blocks         top-k blocks per (token, index head), local/init blocks forced, -1 padded
   sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
 
 Layouts (vLLM's, page size == block size B):
@@ -62,7 +62,7 @@ def proxy_block_scores(
     return out
 
 
-def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
+def topk_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
     """Top-k logical blocks per (token, index head), [T, Hi, K] int32, ascending, -1 padded.
 
     The local blocks (the query's block and the local_blocks-1 before it) and the init blocks are

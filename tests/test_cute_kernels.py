@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cute import grouped_attention_supported
+from kernels.cute import prefill_attention_supported
 from kernels.shapes import MSAShape
 from kernels.testing import make_case
 
@@ -56,21 +56,21 @@ def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated
     compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
 
 
-GROUPED_PARAMS = [p for p in ATTENTION_PARAMS if grouped_attention_supported(p[0], p[2], p[3], 128)]
+PREFILL_PARAMS = [p for p in ATTENTION_PARAMS if prefill_attention_supported(p[0], p[2], p[3], 128)]
 
 
-def test_grouped_attention_serves_m3_and_refuses_what_it_cannot_tile():
-    assert GROUPED_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]  # m = 16, 32, 4
-    assert not grouped_attention_supported(48, 4, 128, 128)  # m = 12 does not divide 64
-    assert not grouped_attention_supported(8, 4, 32, 128)  # m = 2: 32 tokens per tile; D 32
-    assert not grouped_attention_supported(64, 4, 128, 64)  # 64-token blocks
+def test_prefill_attention_serves_m3_and_refuses_what_it_cannot_tile():
+    assert PREFILL_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]  # m = 16, 32, 4
+    assert not prefill_attention_supported(48, 4, 128, 128)  # m = 12 does not divide 64
+    assert not prefill_attention_supported(8, 4, 32, 128)  # m = 2: 32 tokens per tile; D 32
+    assert not prefill_attention_supported(64, 4, 128, 64)  # 64-token blocks
 
 
-@pytest.mark.parametrize("hq, hkv, hi, d", GROUPED_PARAMS)
-def test_grouped_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
-    from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
+@pytest.mark.parametrize("hq, hkv, hi, d", PREFILL_PARAMS)
+def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
+    from kernels.cute.sparse_attn_prefill import PrefillAttentionParams
 
-    compiles_and_caches("sparse_attn_prefill", GroupedAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
+    compiles_and_caches("sparse_attn_prefill", PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
 
 
 @pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
@@ -131,7 +131,7 @@ def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
     # same top-k selection except at exact ties (the kernel's fp32 sums may tie or split differently)
     positions = case.batch.positions
-    assert torch.equal(reference.select_blocks(got, positions, shape), reference.select_blocks(want, positions, shape))
+    assert torch.equal(reference.topk_blocks(got, positions, shape), reference.topk_blocks(want, positions, shape))
 
 
 # Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K
@@ -162,7 +162,7 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
     poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
     del poison  # the kernel's output reuses this memory: every slot must be written
     got = cute_kernels.select_blocks(scores, positions, shape)
-    want = reference.select_blocks(scores, positions, shape)
+    want = reference.topk_blocks(scores, positions, shape)
     assert torch.equal(got, want)
 
 
@@ -171,7 +171,7 @@ ATTENTION_CASES = {
     "decode_ragged": ([1, 1, 1, 1, 1], [1, 129, 1000, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
     "decode_fewer_blocks_than_k": ([1, 1, 1], [5, 300, 1500]),
-    # prefill / chunked prefill / mixed: one split (per-token kernel), the grouped kernel's tiles
+    # prefill / chunked prefill / mixed: one split (per-token kernel), the prefill kernel's tiles
     # cut at request ends (77, 301 tokens), chunks that start inside a block
     "prefill_ragged": ([301, 77, 1], [301, 1000, 2049]),
     "chunked_prefill": ([256], [6000]),
@@ -183,20 +183,20 @@ ATTENTION_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("grouped", 10**6), ("grouped", 24)],
-                         ids=["per_token", "grouped", "grouped_and_per_token"])
+@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("prefill", 10**6), ("prefill", 24)],
+                         ids=["per_token", "prefill", "prefill_and_per_token"])
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
-    """grouped_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
+    """prefill_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
     from kernels import cute as cute_kernels
 
-    if kernel == "grouped" and (hq, hkv, hi, d) not in GROUPED_PARAMS:
-        pytest.skip("the grouped kernel does not serve this shape")
+    if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
+        pytest.skip("the prefill kernel does not serve this shape")
     shape = MSAShape(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_index_heads=hi, num_index_key_heads=1,
                      index_head_dim=64, topk_blocks=16)
     q_lens, seq_lens = ATTENTION_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    selected = reference.select_blocks(scores, case.batch.positions, shape)
+    selected = reference.topk_blocks(scores, case.batch.positions, shape)
     got = cute_kernels.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale,
                                         out=torch.full_like(case.q, float("nan")), kernel=kernel, max_union=max_union)
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
@@ -221,7 +221,7 @@ def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
     out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                       case.scale, out=torch.full_like(case.q, float("nan")))
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected, want_sel)
     want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale)
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0)
@@ -268,7 +268,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     graph.replay()
     torch.cuda.synchronize()
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected[:n], want_sel)
     assert (selected[n:] == -1).all()
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.ops import msa_attention
-from kernels.reference import proxy_block_scores, select_blocks, sparse_attention, write_paged
+from kernels.reference import proxy_block_scores, sparse_attention, topk_blocks, write_paged
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import make_case
 from tests.naive_msa import naive_msa
@@ -103,7 +103,7 @@ def test_selection_is_sorted_and_forces_local_blocks():
     case = make_case(shape, [3, 90], [250, 90], seed=5)
     scores = proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
     positions = case.batch.positions
-    sel = select_blocks(scores, positions, shape)
+    sel = topk_blocks(scores, positions, shape)
     for t, pos in enumerate(positions.tolist()):
         qb = pos // 16
         for h in range(shape.num_index_heads):
@@ -179,14 +179,14 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     batch.query_start_loc_cpu = [0, 1, 2, 3, 4]  # the graph's token count: 4, two of them padding
     assert batch.token_requests.tolist() == [0, 1, 3, 3]
     assert batch.positions.tolist() == [299, 128, -1, -1]
-    selected = select_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
+    selected = topk_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
     assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
 
 
 
-def test_select_blocks_takes_the_lower_block_among_equal_scores():
+def test_topk_blocks_takes_the_lower_block_among_equal_scores():
     shape = _shape(topk_blocks=3, init_blocks=0, local_blocks=1)
     # token at position 100 (block 6 of 16-token blocks); blocks 1, 2, 4 and 5 tie at the top score
     scores = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 2.0, 2.0, -5.0] + [float("-inf")] * 3]]).expand(1, 2, 10)
-    got = select_blocks(scores, torch.tensor([100]), shape)
+    got = topk_blocks(scores, torch.tensor([100]), shape)
     assert got.tolist() == [[[1, 2, 6], [1, 2, 6]]]

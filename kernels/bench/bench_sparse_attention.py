@@ -63,7 +63,7 @@ def paged_problem(batch, context, q_len):
         block_table=pages,
     )
     scores = torch.randn(tokens, shape.num_index_heads, blocks, device="cuda")
-    selected = reference.select_blocks(scores, pb.positions, shape)
+    selected = reference.topk_blocks(scores, pb.positions, shape)
     return pb, q, index_q, kv, proxy, selected
 
 

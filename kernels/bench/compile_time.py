@@ -15,7 +15,7 @@ from kernels.cute.combine import CombineParams
 from kernels.cute.proxy_scores import ProxyScoreParams
 from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
 from kernels.cute.sparse_attn import SparseAttentionParams
-from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
+from kernels.cute.sparse_attn_prefill import PrefillAttentionParams
 from kernels.cute.topk_blocks import TopkBlocksParams
 
 VARIANTS = [
@@ -24,7 +24,7 @@ VARIANTS = [
     ("topk_blocks", TopkBlocksParams(16, 1, 0)),
     ("sparse_attn", SparseAttentionParams(64, 4, 4, 128)),
     ("sparse_attn", SparseAttentionParams(64, 4, 4, 128, split=True)),
-    ("sparse_attn_prefill", GroupedAttentionParams(64, 4, 4, 128, 16)),
+    ("sparse_attn_prefill", PrefillAttentionParams(64, 4, 4, 128, 16)),
     ("combine", CombineParams(64, 128)),
 ]
 

@@ -48,5 +48,5 @@ def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, s
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     index_q = randn(tokens, shape.num_index_heads, shape.index_head_dim)
     scores = torch.randn(tokens, shape.num_index_heads, max(blocks), device="cuda", generator=g)
-    selected = reference.select_blocks(scores, batch.positions, shape)
+    selected = reference.topk_blocks(scores, batch.positions, shape)
     return batch, q, index_q, kv, index_cache, selected

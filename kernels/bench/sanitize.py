@@ -7,7 +7,7 @@
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
 (kernels.cute.compiled_kernel) instead of compiling under the sanitizer. Each case runs
 kernels.ops.msa_attention (proxy scores: decode kernel, or the prefill kernel for a request of 64+
-new tokens; top-k; sparse attention: split-K + combine for decode, the grouped prefill kernel and
+new tokens; top-k; sparse attention: split-K + combine for decode, the prefill attention kernel and
 the per-token kernel for the tiles it leaves for a prefill chunk) on a random paged problem whose
 unowned cache slots hold NaN, and checks the selection and output against the reference.
 """
@@ -35,7 +35,7 @@ def main() -> None:
         out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                           case.scale, out=torch.full_like(case.q, float("nan")))
         scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-        want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+        want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
         want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape,
                                           case.scale)
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()

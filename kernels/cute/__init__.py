@@ -51,22 +51,22 @@ def sparse_attention_supported(head_dim: int, block_size: int) -> bool:
     return block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
 
 
-GROUPED_ROWS = 64  # MMA rows of the grouped prefill attention kernel: tokens per tile x heads per index head
+PREFILL_ATTENTION_ROWS = 64  # MMA rows of the prefill attention kernel: tokens per tile x heads per index head
 
 
-def grouped_attention_supported(num_q_heads: int, num_index_heads: int, head_dim: int, block_size: int) -> bool:
-    """Shapes the grouped (prefill) sparse attention kernel serves: 128-token blocks, head dim 64 or 128,
+def prefill_attention_supported(num_q_heads: int, num_index_heads: int, head_dim: int, block_size: int) -> bool:
+    """Shapes the prefill sparse attention kernel serves: 128-token blocks, head dim 64 or 128,
     m = Hq / Hi query heads per index head dividing 64 with at most 16 tokens per tile (m >= 4)."""
     m = num_q_heads // num_index_heads
-    return block_size == 128 and head_dim in (64, 128) and 4 <= m <= GROUPED_ROWS and GROUPED_ROWS % m == 0
+    return block_size == 128 and head_dim in (64, 128) and 4 <= m <= PREFILL_ATTENTION_ROWS and PREFILL_ATTENTION_ROWS % m == 0
 
 
-GROUPED_MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
+PREFILL_MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
 
 
-def grouped_tile_tokens(shape: MSAShape) -> int:
-    """Query tokens per tile of the grouped kernel."""
-    return GROUPED_ROWS // shape.heads_per_index_head
+def prefill_tile_tokens(shape: MSAShape) -> int:
+    """Query tokens per tile of the prefill attention kernel."""
+    return PREFILL_ATTENTION_ROWS // shape.heads_per_index_head
 
 
 @functools.cache
@@ -177,7 +177,7 @@ def proxy_block_scores(
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
-    """Same contract as kernels.reference.select_blocks, for fp32 scores on a CUDA device; ties go to
+    """Same contract as kernels.reference.topk_blocks, for fp32 scores on a CUDA device; ties go to
     the lower block number."""
     from kernels.cute.topk_blocks import TopkBlocksParams
 
@@ -205,41 +205,41 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Same contract as kernels.reference.sparse_attention, for bf16 inputs on a CUDA device.
 
-    kv_cache must be contiguous; q and out may be strided views. kernel: "grouped"
+    kv_cache must be contiguous; q and out may be strided views. kernel: "prefill"
     (sparse_attn_prefill.py: tiles of consecutive tokens on wgmma, and the per-token kernel for the
-    tiles whose union of blocks exceeds max_union, default GROUPED_MAX_UNION x K per token) or
-    "per_token" (sparse_attn.py: one token per CTA, split-K for decode). By default grouped when a
+    tiles whose union of blocks exceeds max_union, default PREFILL_MAX_UNION x K per token) or
+    "per_token" (sparse_attn.py: one token per CTA, split-K for decode). By default prefill when a
     request brings a whole tile of new tokens (prefill) and the kernel serves the shape.
     splits: the per-token kernel's split-K CTAs per (token, head tile), chosen by
     sparse_attn.num_splits unless given (benchmarks sweep it).
     """
     from kernels.cute.combine import CombineParams
     from kernels.cute.sparse_attn import SparseAttentionParams, num_splits, resident_ctas_per_sm
-    from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
+    from kernels.cute.sparse_attn_prefill import PrefillAttentionParams
 
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     result = out if out is not None and out.is_contiguous() else torch.empty_like(q, memory_format=torch.contiguous_format)
     topk = selected.shape[-1]
     if kernel is None:
-        supported = grouped_attention_supported(hq, shape.num_index_heads, d, shape.block_size)
-        kernel = "grouped" if supported and batch.max_query_len >= grouped_tile_tokens(shape) else "per_token"
-    # converted once: the grouped kernel and the per-token kernel for the tiles it leaves share them
+        supported = prefill_attention_supported(hq, shape.num_index_heads, d, shape.block_size)
+        kernel = "prefill" if supported and batch.max_query_len >= prefill_tile_tokens(shape) else "per_token"
+    # converted once: the prefill kernel and the per-token kernel for the tiles it leaves share them
     q_, kv_, table, lens, positions, selected_ = (
         _cute(q.contiguous(), rows16=True), _cute(kv_cache, rows16=True),
         *(_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
                              selected.to(torch.int32).contiguous())),
     )
     handled = None
-    if kernel == "grouped":
-        grouped = GroupedAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
+    if kernel == "prefill":
+        tiled = PrefillAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, topk, shape.block_size)
         if max_union is None:
-            max_union = round(GROUPED_MAX_UNION * grouped.tokens_per_tile * topk)
+            max_union = round(PREFILL_MAX_UNION * tiled.tokens_per_tile * topk)
         handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
-        compiled_kernel("sparse_attn_prefill", grouped)(
-            q_, kv_, table, lens, positions, selected_, _cute(batch.request_tiles(grouped.tokens_per_tile)),
+        compiled_kernel("sparse_attn_prefill", tiled)(
+            q_, kv_, table, lens, positions, selected_, _cute(batch.request_tiles(tiled.tokens_per_tile)),
             _cute(result, rows16=True), _cute(handled), max_union, scale, _stream(),
         )
-        if max_union >= grouped.candidates:  # every tile was served
+        if max_union >= tiled.candidates:  # every tile was served
             return _into(result, out)
         splits = 1
     params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size,

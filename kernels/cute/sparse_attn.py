@@ -46,7 +46,7 @@ class SparseAttentionParams:
     block_size: int = 128  # B: tokens per block == per page
     tile_keys: int = 64  # keys per K/V shared-memory stage
     split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
-    gated: bool = False  # skip the (token, index head) rows that `handled` marks (the grouped kernel's)
+    gated: bool = False  # skip the (token, index head) rows that `handled` marks (the prefill kernel's)
 
     @property
     def heads_per_index_head(self) -> int:

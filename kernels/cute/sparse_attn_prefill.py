@@ -26,19 +26,19 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute import GROUPED_ROWS, grouped_attention_supported
+from kernels.cute import PREFILL_ATTENTION_ROWS, prefill_attention_supported
 from kernels.cute.fake import row_major
 from kernels.cute.warp_mma import (
     acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt,
 )
 
-ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
+ROWS = PREFILL_ATTENTION_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
 THREADS = 128
 LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class GroupedAttentionParams:
+class PrefillAttentionParams:
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
     num_index_heads: int  # Hi
@@ -61,9 +61,9 @@ class GroupedAttentionParams:
         return self.tokens_per_tile * self.topk_blocks
 
 
-class GroupedAttentionKernel:
-    def __init__(self, params: GroupedAttentionParams):
-        assert grouped_attention_supported(params.num_q_heads, params.num_index_heads, params.head_dim,
+class PrefillAttentionKernel:
+    def __init__(self, params: PrefillAttentionParams):
+        assert prefill_attention_supported(params.num_q_heads, params.num_index_heads, params.head_dim,
                                            params.block_size)
         assert params.num_index_heads % params.num_kv_heads == 0
         self.p = params
@@ -358,7 +358,7 @@ class GroupedAttentionKernel:
         cute.copy(tma_atom, tKVg[None, 1, page], tVs[None, stage], tma_bar_ptr=full + stage)
 
 
-def fake_arguments(params: GroupedAttentionParams):
+def fake_arguments(params: PrefillAttentionParams):
     """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
     bf16, i32 = cutlass.BFloat16, cutlass.Int32
     return (
@@ -377,5 +377,5 @@ def fake_arguments(params: GroupedAttentionParams):
     )
 
 
-def compile_kernel(params: GroupedAttentionParams):
-    return cute.compile(GroupedAttentionKernel(params), *fake_arguments(params))
+def compile_kernel(params: PrefillAttentionParams):
+    return cute.compile(PrefillAttentionKernel(params), *fake_arguments(params))

@@ -1,6 +1,6 @@
 """CuTeDSL kernel: top-k block selection from the proxy block scores.
 
-Computes reference.select_blocks: per (query token, index head) row, the forced blocks (the query's
+Computes reference.topk_blocks: per (query token, index head) row, the forced blocks (the query's
 block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the
 other visible blocks, ascending, -1 padded. One CTA (128 threads) per row.
 
