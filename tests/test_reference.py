@@ -1,4 +1,5 @@
-"""kernels.reference against the spec written out token by token, and against dense attention."""
+"""kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
+(positions, tiles, the decode/prefill split)."""
 
 import zlib
 
@@ -183,10 +184,63 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
 
 
-
 def test_topk_blocks_takes_the_lower_block_among_equal_scores():
     shape = _shape(topk_blocks=3, init_blocks=0, local_blocks=1)
     # token at position 100 (block 6 of 16-token blocks); blocks 1, 2, 4 and 5 tie at the top score
     scores = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 2.0, 2.0, -5.0] + [float("-inf")] * 3]]).expand(1, 2, 10)
     got = topk_blocks(scores, torch.tensor([100]), shape)
     assert got.tolist() == [[[1, 2, 6], [1, 2, 6]]]
+
+
+def _mixed_batch() -> PagedBatch:
+    """Decodes first as vLLM orders them (one with no new token), then prefill chunks (one a single token)."""
+    q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
+    return PagedBatch(
+        query_start_loc=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.arange(6 * 9, dtype=torch.int32).view(6, 9),
+    )
+
+
+def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
+    batch = _mixed_batch()
+    whole_positions, whole_requests = batch.positions, batch.token_requests
+    assert batch.query_start_loc_cpu == [0, 1, 2, 2, 47, 48, 65]  # the host copy vLLM's builder sets
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("split synced the device"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("split synced the device"))
+    decode, prefill = batch.split()
+    monkeypatch.undo()
+    assert (decode.phase, prefill.phase, batch.phase) == ("decode", "prefill", "mixed")
+    assert decode.query_start_loc_cpu == decode.query_start_loc.tolist() == [0, 1, 2, 2]
+    assert prefill.query_start_loc_cpu == prefill.query_start_loc.tolist() == [0, 45, 46, 63]
+    assert (decode.num_tokens, prefill.num_tokens, prefill.num_requests) == (2, 63, 3)
+    assert decode.query_start_loc.data_ptr() == batch.query_start_loc.data_ptr()
+    for part, first in ((decode, 0), (prefill, 3)):
+        assert part.seq_lens.data_ptr() == batch.seq_lens[first].data_ptr()
+        assert part.block_table.data_ptr() == batch.block_table[first].data_ptr()
+        assert part.seq_lens_cpu == batch.seq_lens_cpu[first : first + part.num_requests]
+    assert torch.equal(torch.cat([decode.positions, prefill.positions]), whole_positions)
+    assert torch.equal(torch.cat([decode.token_requests, prefill.token_requests + 3]), whole_requests)
+    assert prefill.request_tiles(16).tolist() == [[0, 0, 16], [0, 16, 32], [0, 32, 45], [1, 45, 46], [2, 46, 62],
+                                                  [2, 62, 63]]
+    assert batch.split() == (decode, prefill) and batch.split()[1] is prefill  # once per batch: layers share it
+    # vLLM's count of decodes, where it differs: the 0-token request then leads the prefill part
+    decode, prefill = batch.split(num_decode_requests=2)
+    assert decode.query_start_loc_cpu == [0, 1, 2] and prefill.query_start_loc.tolist() == [0, 0, 45, 46, 63]
+    with pytest.raises(ValueError, match="split takes a mixed batch"):
+        prefill.split()
+
+
+def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
+    decodes = PagedBatch(query_start_loc=torch.tensor([0, 1, 2, 3]), seq_lens=torch.tensor([9, 200, 3]),
+                         block_table=torch.zeros(3, 2, dtype=torch.int32))
+    part, none = decodes.split()
+    assert none is None and part.phase == "decode"
+    assert part.query_start_loc.data_ptr() == decodes.query_start_loc.data_ptr()
+    prefills = PagedBatch(query_start_loc=torch.tensor([0, 7, 10]), seq_lens=torch.tensor([7, 300]),
+                          block_table=torch.zeros(2, 3, dtype=torch.int32))
+    none, part = prefills.split()
+    assert none is None and part.phase == "prefill" and part.query_start_loc.tolist() == [0, 7, 10]
+    empty = PagedBatch(query_start_loc=torch.tensor([0, 0]), seq_lens=torch.tensor([4]),
+                       block_table=torch.zeros(1, 1, dtype=torch.int32))
+    assert empty.split() == (None, None)
