@@ -96,11 +96,6 @@ class PagedBatch:
     def seq_lens_cpu(self) -> list[int]:
         return self.seq_lens.tolist()
 
-    @cached_property
-    def max_query_len(self) -> int:
-        """Most query tokens of one request (0 for an empty batch): what picks the prefill kernels."""
-        return max(self.query_lens_cpu, default=0)
-
     @property
     def query_lens_cpu(self) -> list[int]:
         starts = self.query_start_loc_cpu
@@ -111,10 +106,11 @@ class PagedBatch:
         them (reorder_batch_threshold, split_decodes_and_prefills); None for a part without query tokens.
 
         num_decode_requests: the requests before the first one with more than DECODE_QUERY_LEN new
-        tokens unless given (vLLM's builder knows it). Both parts are views of this batch's tensors,
-        the prefill part's query_start_loc rebased to its first token; the host copy of
-        query_start_loc gives the boundaries, so splitting never syncs the device. Cached per batch:
-        the layers of a step share the parts and what they compute (token positions, tiles).
+        tokens unless given (vLLM's builder knows it). The parts' tensors are slices of this batch's,
+        except the prefill part's query_start_loc, rebased to its first token by one device
+        subtraction; the host copy of query_start_loc gives the boundaries, so splitting never syncs
+        the device. Cached per batch: the layers of a step share the parts and what they compute
+        (token positions, tiles).
         """
         if self.phase != "mixed":
             raise ValueError(f"split takes a mixed batch, got a {self.phase} one")

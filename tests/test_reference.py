@@ -1,11 +1,12 @@
 """kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
-(positions, tiles, the decode/prefill split)."""
+(positions, tiles, the decode/prefill split) and kernels.ops on batches that mix decodes and prefills."""
 
 import zlib
 
 import pytest
 import torch
 
+from kernels import ops
 from kernels.ops import msa_attention
 from kernels.reference import proxy_block_scores, sparse_attention, topk_blocks, write_paged
 from kernels.shapes import MSAShape, PagedBatch
@@ -244,3 +245,27 @@ def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
     empty = PagedBatch(query_start_loc=torch.tensor([0, 0]), seq_lens=torch.tensor([4]),
                        block_table=torch.zeros(1, 1, dtype=torch.int32))
     assert empty.split() == (None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately(dtype):
+    shape = _shape(num_index_heads=4, topk_blocks=2)
+    q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
+    case = make_case(shape, q_lens, seq_lens, dtype=dtype, seed=17)
+    caches = (case.kv_cache, case.proxy_cache)
+    out = torch.full_like(case.q, float("nan"))
+    got, selected = msa_attention(case.q, case.index_q, *caches, case.batch, shape, case.scale, out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+    scores = ops.proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    decode, prefill = case.batch.split()
+    parts = ((decode, slice(0, 2)), (prefill, slice(2, case.batch.num_tokens)))
+    for part, rows in parts:
+        part_out, part_selected = msa_attention(case.q[rows], case.index_q[rows], *caches, part, shape, case.scale)
+        assert torch.equal(got[rows], part_out) and torch.equal(selected[rows], part_selected)
+        assert torch.equal(scores[rows], ops.proxy_block_scores(case.index_q[rows], case.proxy_cache, part, shape))
+    # out=: the selection of a mixed batch written into rows of a larger tensor, nothing outside them
+    step = torch.full((case.batch.num_tokens + 2, shape.num_index_heads, shape.topk_blocks), 7777, dtype=torch.int32)
+    into = ops.select_blocks(case.index_q, case.proxy_cache, case.batch, shape, out=step[1:-1])
+    assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
+    assert (step[[0, -1]] == 7777).all()
+
