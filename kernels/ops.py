@@ -1,23 +1,38 @@
-"""The MSA entry points callers use: each step runs a CuTeDSL kernel where one serves the inputs
-(Hopper GPU, bf16, supported shape) and the PyTorch reference otherwise.
+"""The MSA entry points callers use, and the one place that picks an implementation for each step.
 
-    proxy scores      CuTeDSL on sm_90 (kernels/cute/proxy_scores.py for decode batches,
-                      proxy_scores_prefill.py once a request has 64+ new tokens), else reference
-    top-k selection   CuTeDSL on sm_90 (kernels/cute/topk_blocks.py) for fp32 scores, else reference
-    sparse attention  CuTeDSL on sm_90 (kernels/cute/sparse_attn_prefill.py + sparse_attn.py for the
-                      tiles it leaves once a request brings a whole tile of new tokens, else
-                      sparse_attn.py + combine.py), else reference
+Data flow of one MSA layer (msa_attention), once the paged caches hold the step's keys:
+
+    batch --PagedBatch.split--> decode part: requests with one new token (first, as vLLM orders them)
+                                prefill part: prefill and chunked-prefill requests
+    per part:  index queries x paged proxy keys --proxy_block_scores--> block scores [T, Hi, blocks]
+               --top-k--> selected blocks [T, Hi, K]  (the part's rows of the step's one selection)
+               --sparse_attention--> output [T, Hq, D]  (the part's rows of the step's one output)
+
+Each step of a part runs a CuTeDSL kernel (kernels/cute) where the input is on a Hopper GPU with
+CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the next kernel of the list,
+else the PyTorch reference (kernels/reference.py):
+
+    step              decode part                          prefill part
+    proxy scores      proxy_scores.py                      proxy_scores_prefill.py, proxy_scores.py
+    top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
+    sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
+                      combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
+                                                           sparse_attn.py (K/V cache contiguous)
+
+A batch of one phase (vLLM's metadata builder splits each step once) runs as it is. A mixed batch
+(tests, benchmarks, library callers) is split here by the same PagedBatch.split, once per batch,
+and its parts run into slices of one output, so both give the same results. A decode part never
+syncs the host and has no data-dependent shapes: a full-graph decode step can be captured.
 """
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
 from kernels import reference
-from kernels.cute import proxy_scores_supported, sparse_attention_supported
-from kernels.shapes import MSAShape, PagedBatch
-
+from kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENT = "nvidia-cutlass-dsl==4.8.0"  # pyproject.toml's; the version vLLM 0.34 pins
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show it
@@ -38,24 +53,74 @@ def _cute_available(device_index: int) -> bool:
     return True
 
 
-def _on_hopper_bf16(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype == torch.bfloat16 and _cute_available(t.device.index or 0)
+def _on_hopper(t: torch.Tensor) -> bool:
+    return t.is_cuda and _cute_available(t.device.index or 0)
 
 
-def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape) -> bool:
-    return proxy_scores_supported(shape.index_head_dim, shape.block_size) and _on_hopper_bf16(index_q)
+def _proxy_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
+    if _on_hopper(index_q):
+        from kernels.cute import proxy_scores, proxy_scores_prefill
+
+        served = (index_q.dtype, shape.index_head_dim, shape.block_size)
+        if phase == "prefill" and proxy_scores_prefill.PrefillProxyScoreKernel.can_implement(*served):
+            return proxy_scores_prefill.prefill_proxy_block_scores
+        if proxy_scores.ProxyScoreKernel.can_implement(*served):
+            return proxy_scores.proxy_block_scores
+    return reference.proxy_block_scores
+
+
+def _topk_step(scores: torch.Tensor) -> Callable:
+    if _on_hopper(scores):
+        from kernels.cute import topk_blocks
+
+        if topk_blocks.TopkBlocksKernel.can_implement(scores.dtype):
+            return topk_blocks.topk_blocks
+    return reference.topk_blocks
+
+
+def _attention_step(q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
+    if _on_hopper(q):
+        from kernels.cute import sparse_attn, sparse_attn_prefill
+
+        heads = (shape.num_q_heads, shape.num_index_heads)
+        if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
+            q.dtype, *heads, shape.head_dim, shape.block_size
+        ):
+            return sparse_attn_prefill.prefill_sparse_attention
+        if sparse_attn.SparseAttentionKernel.can_implement(q.dtype, shape.head_dim, shape.block_size):
+            return sparse_attn.sparse_attention
+    return reference.sparse_attention
+
+
+def _parts(batch: PagedBatch) -> list[tuple[slice, PagedBatch]]:
+    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns."""
+    parts = batch.split() if batch.phase == "mixed" else (batch,)
+    rows, first = [], 0
+    for part in parts:
+        if part is not None and part.num_tokens:
+            rows.append((slice(first, first + part.num_tokens), part))
+            first += part.num_tokens
+    return rows
+
+
+def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
+    """Whether a CuTeDSL kernel computes the proxy scores of this phase's part for such index queries."""
+    return _proxy_scores_step(index_q, shape, phase) is not reference.proxy_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
-    return scores.is_cuda and scores.dtype == torch.float32 and _cute_available(scores.device.index or 0)
+    """Whether the CuTeDSL kernel selects the top-k blocks from such scores."""
+    return _topk_step(scores) is not reference.topk_blocks
 
 
-def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape) -> bool:
-    return sparse_attention_supported(shape.head_dim, shape.block_size) and _on_hopper_bf16(q)
+def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
+    """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
+    return _attention_step(q, shape, phase) is not reference.sparse_attention
 
 
 def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
-    """Which implementation runs each step, for startup logs."""
+    """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
+    decode part does)."""
     probe = torch.empty(0, device=device, dtype=dtype)
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # proxy scores' dtype
     proxy = "CuTeDSL" if uses_cute_proxy_scores(probe, shape) else "PyTorch"
@@ -73,33 +138,62 @@ def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, 
     return served and (not proxy_scores or uses_cute_proxy_scores(probe, shape))
 
 
-def proxy_block_scores(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
-    if uses_cute_proxy_scores(index_q, shape):
-        from kernels import cute
-
-        return cute.proxy_block_scores(index_q, proxy_cache, batch, shape)
-    return reference.proxy_block_scores(index_q, proxy_cache, batch, shape)
-
-
-def sparse_attention(q, kv_cache, batch: PagedBatch, selected, shape: MSAShape, scale: float, out=None):
-    if uses_cute_sparse_attention(q, shape) and kv_cache.is_contiguous():
-        from kernels import cute
-
-        return cute.sparse_attention(q, kv_cache, batch, selected, shape, scale, out)
-    return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out)
+def proxy_block_scores(
+    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+) -> torch.Tensor:
+    """Causal max-pooled proxy block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
+    scores = [_proxy_scores_step(index_q, shape, part.phase)(index_q[rows], proxy_cache, part, shape)
+              for rows, part in _parts(batch)]
+    if len(scores) == 1:
+        return scores[0]
+    return torch.cat(scores) if scores else reference.proxy_block_scores(index_q, proxy_cache, batch, shape)
 
 
-def select_blocks(index_q, proxy_cache, batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
-    """Proxy scores, then top-k: the selected blocks [T, Hi, K] (batch: the proxy cache's block table)."""
-    scores = proxy_block_scores(index_q, proxy_cache, batch, shape)
-    if uses_cute_topk(scores):
-        from kernels import cute
+def select_blocks(
+    index_q: torch.Tensor,
+    proxy_cache: torch.Tensor,
+    batch: PagedBatch,
+    shape: MSAShape,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Proxy scores, then top-k: the selected blocks [T, Hi, K] int32 (batch: the proxy cache's block
+    table), written into out if given (e.g. a slice of a step's selection)."""
+    selected = out if out is not None else torch.empty(
+        (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
+    )
+    for rows, part in _parts(batch):
+        scores = _proxy_scores_step(index_q, shape, part.phase)(index_q[rows], proxy_cache, part, shape)
+        _topk_step(scores)(scores, part.positions, shape, out=selected[rows])
+    return selected
 
-        return cute.select_blocks(scores, batch.positions, shape)
-    return reference.select_blocks(scores, batch.positions, shape)
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    selected: torch.Tensor,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given)."""
+    result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
+    for rows, part in _parts(batch):
+        attend = _attention_step(q, shape, part.phase) if kv_cache.is_contiguous() else reference.sparse_attention
+        attend(q[rows], kv_cache, part, selected[rows], shape, scale, out=result[rows])
+    return result
 
 
-def msa_attention(q, index_q, kv_cache, proxy_cache, batch: PagedBatch, shape: MSAShape, scale: float, out=None):
+def msa_attention(
+    q: torch.Tensor,
+    index_q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    proxy_cache: torch.Tensor,
+    batch: PagedBatch,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks)."""
     selected = select_blocks(index_q, proxy_cache, batch, shape)
     return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected

@@ -1,8 +1,9 @@
 """MSA in plain PyTorch on paged caches: the function every kernel must compute, and the CPU path.
 
-Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them):
+Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them), each for any
+batch (decode, prefill or a mix of both):
   proxy_block_scores  index queries x paged proxy keys, causal, max-pooled per block
-  select_blocks       top-k blocks per (token, index head), local/init blocks forced, -1 padded
+  topk_blocks         top-k blocks per (token, index head), local/init blocks forced, -1 padded
   sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
 
 Layouts (vLLM's, page size == block size B):
@@ -62,8 +63,10 @@ def proxy_block_scores(
     return out
 
 
-def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape) -> torch.Tensor:
-    """Top-k logical blocks per (token, index head), [T, Hi, K] int32, ascending, -1 padded.
+def topk_blocks(
+    scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Top-k logical blocks per (token, index head), [T, Hi, K] int32, ascending, -1 padded (into out if given).
 
     The local blocks (the query's block and the local_blocks-1 before it) and the init blocks are
     always taken; the other slots take the best-scoring visible blocks, the lower block number first
@@ -84,6 +87,8 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape
     if top_blocks.shape[-1] < k:
         pad = top_blocks.new_full((num_tokens, num_heads, k - top_blocks.shape[-1]), -1)
         top_blocks = torch.cat([top_blocks, pad], dim=-1)
+    if out is not None:
+        return out.copy_(top_blocks)
     return top_blocks
 
 

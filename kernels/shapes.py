@@ -2,12 +2,19 @@
 
 Every MSA implementation (the PyTorch reference, the CuTeDSL kernels) takes these two objects, so
 callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
+
+A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split,
+decodes first as vLLM's scheduler orders them); kernels.ops picks each part's kernels by its phase.
 """
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 import torch
+
+Phase = Literal["decode", "prefill", "mixed"]
+DECODE_QUERY_LEN = 1  # requests with at most this many new tokens are decodes (vLLM's reorder_batch_threshold)
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,15 @@ class PagedBatch:
     seq_lens[r] - q_len[r] + i. Logical block b of r lives in physical page block_table[r, b].
     A full CUDA graph replays on a padded batch: requests with seq_len 0 and no tokens, and tokens
     past query_start_loc[-1] at position -1, which see no key (every step selects nothing for them).
+
+    phase: "decode" (every request brings at most DECODE_QUERY_LEN tokens), "prefill" (prefill and
+    chunked-prefill requests, any number of tokens) or "mixed" (not split yet: see split).
     """
 
     query_start_loc: torch.Tensor  # [R + 1] int
     seq_lens: torch.Tensor  # [R] int
     block_table: torch.Tensor  # [R, max_blocks] int
+    phase: Phase = "mixed"
 
     @cached_property
     def query_start_loc_cpu(self) -> list[int]:
@@ -85,11 +96,49 @@ class PagedBatch:
     def seq_lens_cpu(self) -> list[int]:
         return self.seq_lens.tolist()
 
-    @cached_property
-    def max_query_len(self) -> int:
-        """Most query tokens of one request (0 for an empty batch): what picks the prefill kernels."""
+    @property
+    def query_lens_cpu(self) -> list[int]:
         starts = self.query_start_loc_cpu
-        return max((end - start for start, end in zip(starts, starts[1:])), default=0)
+        return [end - start for start, end in zip(starts, starts[1:])]
+
+    def split(self, num_decode_requests: int | None = None) -> tuple["PagedBatch | None", "PagedBatch | None"]:
+        """(decode part, prefill part) of a mixed batch whose decode requests come first, as vLLM orders
+        them (reorder_batch_threshold, split_decodes_and_prefills); None for a part without query tokens.
+
+        num_decode_requests: the requests before the first one with more than DECODE_QUERY_LEN new
+        tokens unless given (vLLM's builder knows it). The parts' tensors are slices of this batch's,
+        except the prefill part's query_start_loc, rebased to its first token by one device
+        subtraction; the host copy of query_start_loc gives the boundaries, so splitting never syncs
+        the device. Cached per batch: the layers of a step share the parts and what they compute
+        (token positions, tiles).
+        """
+        if self.phase != "mixed":
+            raise ValueError(f"split takes a mixed batch, got a {self.phase} one")
+        if num_decode_requests is None:
+            lens = self.query_lens_cpu
+            num_decode_requests = next((r for r, n in enumerate(lens) if n > DECODE_QUERY_LEN), len(lens))
+        cache = self.__dict__.setdefault("_split", {})
+        if num_decode_requests not in cache:
+            cache[num_decode_requests] = (self._part(0, num_decode_requests, "decode"),
+                                          self._part(num_decode_requests, self.num_requests, "prefill"))
+        return cache[num_decode_requests]
+
+    def _part(self, first: int, end: int, phase: Phase) -> "PagedBatch | None":
+        """Requests [first, end) as a batch of their own, or None if they bring no query token."""
+        starts = self.query_start_loc_cpu[first : end + 1]
+        if first >= end or starts[0] == starts[-1]:
+            return None
+        query_start_loc = self.query_start_loc[first : end + 1]
+        part = PagedBatch(
+            query_start_loc=query_start_loc - starts[0] if starts[0] else query_start_loc,
+            seq_lens=self.seq_lens[first:end],
+            block_table=self.block_table[first:end],
+            phase=phase,
+        )
+        part.query_start_loc_cpu = [start - starts[0] for start in starts]
+        if "seq_lens_cpu" in self.__dict__:
+            part.seq_lens_cpu = self.seq_lens_cpu[first:end]
+        return part
 
     @property
     def num_requests(self) -> int:

@@ -6,11 +6,19 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cute import grouped_attention_supported
 from kernels.shapes import MSAShape
 from kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from kernels.cute import proxy_scores, proxy_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
+from kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
+from kernels.cute.proxy_scores import ProxyScoreKernel, ProxyScoreParams  # noqa: E402
+from kernels.cute.proxy_scores_prefill import PrefillProxyScoreKernel, PrefillProxyScoreParams  # noqa: E402
+from kernels.cute.runtime import compiled_kernel  # noqa: E402
+from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
+from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
+from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
 
 PROXY_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
 
@@ -23,24 +31,19 @@ def sm90a(monkeypatch, tmp_path):
     return tmp_path
 
 
-def compiles_and_caches(module, params, cache_dir):
-    """Compile through kernels.cute.compiled_kernel, then load the exported object file back."""
-    from kernels import cute as cute_kernels
-
-    compile_kernel = cute_kernels.compiled_kernel.__wrapped__  # past the in-process cache
-    assert compile_kernel(module, params) is not None
-    [cached] = cache_dir.glob(f"{module}_*.o")
-    assert compile_kernel(module, params) is not None  # this one loads the file
+def compiles_and_caches(kernel_cls, params, cache_dir):
+    """Compile through kernels.cute.runtime.compiled_kernel, then load the exported object file back."""
+    compile_kernel = compiled_kernel.__wrapped__  # past the in-process cache
+    assert compile_kernel(kernel_cls, params) is not None
+    [cached] = cache_dir.glob(f"{kernel_cls.__name__}_*.o")
+    assert compile_kernel(kernel_cls, params) is not None  # this one loads the file
     return cached
 
 
 @pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
 def test_proxy_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
-    from kernels.cute.proxy_scores import ProxyScoreParams
-    from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
-
-    compiles_and_caches("proxy_scores", ProxyScoreParams(hi, hki, dp), sm90a)
-    compiles_and_caches("proxy_scores_prefill", PrefillProxyScoreParams(hi, hki, dp), sm90a)
+    compiles_and_caches(ProxyScoreKernel, ProxyScoreParams(hi, hki, dp), sm90a)
+    compiles_and_caches(PrefillProxyScoreKernel, PrefillProxyScoreParams(hi, hki, dp), sm90a)
 
 
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
@@ -51,33 +54,32 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize("split, gated", [(False, False), (True, False), (False, True)])
 def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, sm90a):
-    from kernels.cute.sparse_attn import SparseAttentionParams
-
-    compiles_and_caches("sparse_attn", SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
+    compiles_and_caches(SparseAttentionKernel, SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
 
 
-GROUPED_PARAMS = [p for p in ATTENTION_PARAMS if grouped_attention_supported(p[0], p[2], p[3], 128)]
+def prefill_attention_serves(hq: int, hi: int, d: int, block_size: int, dtype=torch.bfloat16) -> bool:
+    return PrefillAttentionKernel.can_implement(dtype, hq, hi, d, block_size)
 
 
-def test_grouped_attention_serves_m3_and_refuses_what_it_cannot_tile():
-    assert GROUPED_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]  # m = 16, 32, 4
-    assert not grouped_attention_supported(48, 4, 128, 128)  # m = 12 does not divide 64
-    assert not grouped_attention_supported(8, 4, 32, 128)  # m = 2: 32 tokens per tile; D 32
-    assert not grouped_attention_supported(64, 4, 128, 64)  # 64-token blocks
+PREFILL_PARAMS = [p for p in ATTENTION_PARAMS if prefill_attention_serves(p[0], p[2], p[3], 128)]
 
 
-@pytest.mark.parametrize("hq, hkv, hi, d", GROUPED_PARAMS)
-def test_grouped_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
-    from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
+def test_prefill_attention_serves_m3_and_refuses_what_it_cannot_tile():
+    assert PREFILL_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]  # m = 16, 32, 4
+    assert not prefill_attention_serves(48, 4, 128, 128)  # m = 12 does not divide 64
+    assert not prefill_attention_serves(8, 4, 32, 128)  # m = 2: 32 tokens per tile; D 32
+    assert not prefill_attention_serves(64, 4, 128, 64)  # 64-token blocks
+    assert not prefill_attention_serves(64, 4, 128, 128, dtype=torch.float16)  # bf16 only
 
-    compiles_and_caches("sparse_attn_prefill", GroupedAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
+
+@pytest.mark.parametrize("hq, hkv, hi, d", PREFILL_PARAMS)
+def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
+    compiles_and_caches(PrefillAttentionKernel, PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
 
 
 @pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
 def test_combine_kernel_compiles_for_sm90a(hq, d, sm90a):
-    from kernels.cute.combine import CombineParams
-
-    compiles_and_caches("combine", CombineParams(hq, d), sm90a)
+    compiles_and_caches(CombineKernel, CombineParams(hq, d), sm90a)
 
 
 TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, the demo, init + local variants
@@ -85,23 +87,19 @@ TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, th
 
 @pytest.mark.parametrize("k, local, init", TOPK_PARAMS)
 def test_topk_kernel_compiles_for_sm90a(k, local, init, sm90a):
-    from kernels.cute.topk_blocks import TopkBlocksParams
-
-    compiles_and_caches("topk_blocks", TopkBlocksParams(k, local, init), sm90a)
+    compiles_and_caches(TopkBlocksKernel, TopkBlocksParams(k, local, init), sm90a)
 
 
 def test_kernel_cache_replaces_an_unreadable_file(sm90a):
-    from kernels.cute.combine import CombineParams
-
-    cached = compiles_and_caches("combine", CombineParams(8, 32), sm90a)
+    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32), sm90a)
     cached.write_bytes(b"not an object file")
-    cached = compiles_and_caches("combine", CombineParams(8, 32), sm90a)
+    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32), sm90a)
     assert cached.stat().st_size > 1000
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Batches with a request of >= 64 query tokens run the prefill (tensor-core) kernel, others the decode one.
+# Decode, prefill and mixed batches: both proxy kernels serve any batch (ops gives each part its phase's kernel).
 CASES = {
     "decode_ragged": ([1, 1, 1, 1], [1, 129, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
@@ -116,14 +114,14 @@ CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", CASES)
 @pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
-def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
-    from kernels import cute as cute_kernels
-
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
     shape = MSAShape(num_q_heads=hi * 2, num_kv_heads=1, head_dim=64,
                      num_index_heads=hi, num_index_key_heads=hki, index_head_dim=dp, topk_blocks=16)
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
-    got = cute_kernels.proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    launch = proxy_scores.proxy_block_scores if phase == "decode" else proxy_scores_prefill.prefill_proxy_block_scores
+    got = launch(case.index_q, case.proxy_cache, case.batch, shape)
     want = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), finite)
@@ -131,7 +129,7 @@ def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp):
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
     # same top-k selection except at exact ties (the kernel's fp32 sums may tie or split differently)
     positions = case.batch.positions
-    assert torch.equal(reference.select_blocks(got, positions, shape), reference.select_blocks(want, positions, shape))
+    assert torch.equal(reference.topk_blocks(got, positions, shape), reference.topk_blocks(want, positions, shape))
 
 
 # Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K
@@ -145,8 +143,6 @@ TOPK_POSITIONS = [-1, 0, 5, 127, 128, 129, 1000, 2047, 2048, 4095, 70000, 131071
 @pytest.mark.parametrize("ties", [False, True])
 def test_topk_kernel_matches_reference(k, local, init, ties):
     """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win."""
-    from kernels import cute as cute_kernels
-
     shape = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=64, topk_blocks=k, local_blocks=local, init_blocks=init)
     positions = torch.tensor(TOPK_POSITIONS, device="cuda")
@@ -161,9 +157,13 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
     scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the proxy kernels
     poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
     del poison  # the kernel's output reuses this memory: every slot must be written
-    got = cute_kernels.select_blocks(scores, positions, shape)
-    want = reference.select_blocks(scores, positions, shape)
+    got = topk_blocks.topk_blocks(scores, positions, shape)
+    want = reference.topk_blocks(scores, positions, shape)
     assert torch.equal(got, want)
+    # out=: the rows of a larger selection (a step's decode or prefill part), nothing outside them
+    step = torch.full((size[0] + 2, size[1], k), 7777, dtype=torch.int32, device="cuda")
+    assert topk_blocks.topk_blocks(scores, positions, shape, out=step[1:-1]).data_ptr() == step[1:-1].data_ptr()
+    assert torch.equal(step[1:-1], want) and (step[[0, -1]] == 7777).all()
 
 
 ATTENTION_CASES = {
@@ -171,8 +171,8 @@ ATTENTION_CASES = {
     "decode_ragged": ([1, 1, 1, 1, 1], [1, 129, 1000, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
     "decode_fewer_blocks_than_k": ([1, 1, 1], [5, 300, 1500]),
-    # prefill / chunked prefill / mixed: one split (per-token kernel), the grouped kernel's tiles
-    # cut at request ends (77, 301 tokens), chunks that start inside a block
+    # prefill / chunked prefill / mixed: the prefill kernel's tiles cut at request ends (77, 301
+    # tokens), chunks that start inside a block
     "prefill_ragged": ([301, 77, 1], [301, 1000, 2049]),
     "chunked_prefill": ([256], [6000]),
     "chunked_prefill_long": ([700, 3], [70001, 5000]),
@@ -183,22 +183,24 @@ ATTENTION_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("grouped", 10**6), ("grouped", 24)],
-                         ids=["per_token", "grouped", "grouped_and_per_token"])
+@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("prefill", 10**6), ("prefill", 24)],
+                         ids=["per_token", "prefill", "prefill_and_per_token"])
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
-    """grouped_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
-    from kernels import cute as cute_kernels
-
-    if kernel == "grouped" and (hq, hkv, hi, d) not in GROUPED_PARAMS:
-        pytest.skip("the grouped kernel does not serve this shape")
+    """prefill_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
+    if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
+        pytest.skip("the prefill kernel does not serve this shape")
     shape = MSAShape(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_index_heads=hi, num_index_key_heads=1,
                      index_head_dim=64, topk_blocks=16)
     q_lens, seq_lens = ATTENTION_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    selected = reference.select_blocks(scores, case.batch.positions, shape)
-    got = cute_kernels.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale,
-                                        out=torch.full_like(case.q, float("nan")), kernel=kernel, max_union=max_union)
+    selected = reference.topk_blocks(scores, case.batch.positions, shape)
+    out = torch.full_like(case.q, float("nan"))
+    if kernel == "per_token":
+        got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
+    else:
+        got = sparse_attn_prefill.prefill_sparse_attention(case.q, case.kv_cache, case.batch, selected, shape,
+                                                           case.scale, out=out, max_union=max_union)
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
@@ -214,14 +216,16 @@ def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
-    assert ops.uses_cute_proxy_scores(case.index_q, shape) and ops.uses_cute_sparse_attention(case.q, shape)
+    for phase in ("decode", "prefill"):
+        assert ops.uses_cute_proxy_scores(case.index_q, shape, phase)
+        assert ops.uses_cute_sparse_attention(case.q, shape, phase)
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
         "proxy scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
     )
     out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                       case.scale, out=torch.full_like(case.q, float("nan")))
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected, want_sel)
     want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale)
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0)
@@ -268,7 +272,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     graph.replay()
     torch.cuda.synchronize()
     scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-    want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected[:n], want_sel)
     assert (selected[n:] == -1).all()
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)

@@ -25,7 +25,8 @@ BATCHES = {
 
 def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
     return FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=batch.num_tokens,
-                            max_query_len=batch.max_query_len, max_seq_len=max(batch.seq_lens_cpu), dense_num_splits=num_splits)
+                            max_query_len=max(batch.query_lens_cpu), max_seq_len=max(batch.seq_lens_cpu),
+                            dense_num_splits=num_splits)
 
 
 def _want(case) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""kernels.reference against the spec written out token by token, and against dense attention."""
+"""kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
+(positions, tiles, the decode/prefill split) and kernels.ops on batches that mix decodes and prefills."""
 
 import zlib
 
 import pytest
 import torch
 
+from kernels import ops
 from kernels.ops import msa_attention
-from kernels.reference import proxy_block_scores, select_blocks, sparse_attention, write_paged
+from kernels.reference import proxy_block_scores, sparse_attention, topk_blocks, write_paged
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import make_case
 from tests.naive_msa import naive_msa
@@ -103,7 +105,7 @@ def test_selection_is_sorted_and_forces_local_blocks():
     case = make_case(shape, [3, 90], [250, 90], seed=5)
     scores = proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
     positions = case.batch.positions
-    sel = select_blocks(scores, positions, shape)
+    sel = topk_blocks(scores, positions, shape)
     for t, pos in enumerate(positions.tolist()):
         qb = pos // 16
         for h in range(shape.num_index_heads):
@@ -179,14 +181,91 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     batch.query_start_loc_cpu = [0, 1, 2, 3, 4]  # the graph's token count: 4, two of them padding
     assert batch.token_requests.tolist() == [0, 1, 3, 3]
     assert batch.positions.tolist() == [299, 128, -1, -1]
-    selected = select_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
+    selected = topk_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
     assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
 
 
-
-def test_select_blocks_takes_the_lower_block_among_equal_scores():
+def test_topk_blocks_takes_the_lower_block_among_equal_scores():
     shape = _shape(topk_blocks=3, init_blocks=0, local_blocks=1)
     # token at position 100 (block 6 of 16-token blocks); blocks 1, 2, 4 and 5 tie at the top score
     scores = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 2.0, 2.0, -5.0] + [float("-inf")] * 3]]).expand(1, 2, 10)
-    got = select_blocks(scores, torch.tensor([100]), shape)
+    got = topk_blocks(scores, torch.tensor([100]), shape)
     assert got.tolist() == [[[1, 2, 6], [1, 2, 6]]]
+
+
+def _mixed_batch() -> PagedBatch:
+    """Decodes first as vLLM orders them (one with no new token), then prefill chunks (one a single token)."""
+    q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
+    return PagedBatch(
+        query_start_loc=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.arange(6 * 9, dtype=torch.int32).view(6, 9),
+    )
+
+
+def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
+    batch = _mixed_batch()
+    whole_positions, whole_requests = batch.positions, batch.token_requests
+    assert batch.query_start_loc_cpu == [0, 1, 2, 2, 47, 48, 65]  # the host copy vLLM's builder sets
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("split synced the device"))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: pytest.fail("split synced the device"))
+    decode, prefill = batch.split()
+    monkeypatch.undo()
+    assert (decode.phase, prefill.phase, batch.phase) == ("decode", "prefill", "mixed")
+    assert decode.query_start_loc_cpu == decode.query_start_loc.tolist() == [0, 1, 2, 2]
+    assert prefill.query_start_loc_cpu == prefill.query_start_loc.tolist() == [0, 45, 46, 63]
+    assert (decode.num_tokens, prefill.num_tokens, prefill.num_requests) == (2, 63, 3)
+    assert decode.query_start_loc.data_ptr() == batch.query_start_loc.data_ptr()
+    for part, first in ((decode, 0), (prefill, 3)):
+        assert part.seq_lens.data_ptr() == batch.seq_lens[first].data_ptr()
+        assert part.block_table.data_ptr() == batch.block_table[first].data_ptr()
+        assert part.seq_lens_cpu == batch.seq_lens_cpu[first : first + part.num_requests]
+    assert torch.equal(torch.cat([decode.positions, prefill.positions]), whole_positions)
+    assert torch.equal(torch.cat([decode.token_requests, prefill.token_requests + 3]), whole_requests)
+    assert prefill.request_tiles(16).tolist() == [[0, 0, 16], [0, 16, 32], [0, 32, 45], [1, 45, 46], [2, 46, 62],
+                                                  [2, 62, 63]]
+    assert batch.split() == (decode, prefill) and batch.split()[1] is prefill  # once per batch: layers share it
+    # vLLM's count of decodes, where it differs: the 0-token request then leads the prefill part
+    decode, prefill = batch.split(num_decode_requests=2)
+    assert decode.query_start_loc_cpu == [0, 1, 2] and prefill.query_start_loc.tolist() == [0, 0, 45, 46, 63]
+    with pytest.raises(ValueError, match="split takes a mixed batch"):
+        prefill.split()
+
+
+def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
+    decodes = PagedBatch(query_start_loc=torch.tensor([0, 1, 2, 3]), seq_lens=torch.tensor([9, 200, 3]),
+                         block_table=torch.zeros(3, 2, dtype=torch.int32))
+    part, none = decodes.split()
+    assert none is None and part.phase == "decode"
+    assert part.query_start_loc.data_ptr() == decodes.query_start_loc.data_ptr()
+    prefills = PagedBatch(query_start_loc=torch.tensor([0, 7, 10]), seq_lens=torch.tensor([7, 300]),
+                          block_table=torch.zeros(2, 3, dtype=torch.int32))
+    none, part = prefills.split()
+    assert none is None and part.phase == "prefill" and part.query_start_loc.tolist() == [0, 7, 10]
+    empty = PagedBatch(query_start_loc=torch.tensor([0, 0]), seq_lens=torch.tensor([4]),
+                       block_table=torch.zeros(1, 1, dtype=torch.int32))
+    assert empty.split() == (None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately(dtype):
+    shape = _shape(num_index_heads=4, topk_blocks=2)
+    q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
+    case = make_case(shape, q_lens, seq_lens, dtype=dtype, seed=17)
+    caches = (case.kv_cache, case.proxy_cache)
+    out = torch.full_like(case.q, float("nan"))
+    got, selected = msa_attention(case.q, case.index_q, *caches, case.batch, shape, case.scale, out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+    scores = ops.proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    decode, prefill = case.batch.split()
+    parts = ((decode, slice(0, 2)), (prefill, slice(2, case.batch.num_tokens)))
+    for part, rows in parts:
+        part_out, part_selected = msa_attention(case.q[rows], case.index_q[rows], *caches, part, shape, case.scale)
+        assert torch.equal(got[rows], part_out) and torch.equal(selected[rows], part_selected)
+        assert torch.equal(scores[rows], ops.proxy_block_scores(case.index_q[rows], case.proxy_cache, part, shape))
+    # out=: the selection of a mixed batch written into rows of a larger tensor, nothing outside them
+    step = torch.full((case.batch.num_tokens + 2, shape.num_index_heads, shape.topk_blocks), 7777, dtype=torch.int32)
+    into = ops.select_blocks(case.index_q, case.proxy_cache, case.batch, shape, out=step[1:-1])
+    assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
+    assert (step[[0, -1]] == 7777).all()
+

@@ -4,9 +4,12 @@
 
 Each case is one vLLM step: N decode requests (one new token each) and one request prefilling a chunk,
 decode requests first as vLLM's scheduler orders them. Columns: the layer (proxy scores, top-k, sparse
-attention) on the mixed step, as FLASH_MSA runs it; the same layer on the decode requests alone and on
-the prefill chunk alone; mixed / (decode alone + prefill alone): 1.0 means mixing costs nothing. Eager
-times (a step with a prefill chunk runs its layers outside CUDA graphs), CUDA events, one run.
+attention) on the mixed step, as FLASH_MSA runs it: kernels.ops.msa_attention splits the step's batch
+once into its decode and prefill parts (PagedBatch.split, kept on the batch, so the timed calls reuse
+it as a step's layers do) and runs each part's kernels into its rows of one output; the same layer on
+the decode requests alone and on the prefill chunk alone; mixed / (decode alone + prefill alone): 1.0
+means mixing costs nothing. Eager times (a step with a prefill chunk runs its layers outside CUDA
+graphs), CUDA events, one run.
 """
 
 import time

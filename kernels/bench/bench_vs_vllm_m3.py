@@ -63,12 +63,11 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
+from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
 from kernels.bench.timing import ceilings, graph_timed, timed
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import PagedCase
 
-M3 = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-              index_head_dim=128, topk_blocks=16, local_blocks=1, init_blocks=0, block_size=128)
 SMOKE = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
                  index_head_dim=128, topk_blocks=2, local_blocks=1, init_blocks=0, block_size=128)
 MIN_COSINE = MIN_TOPK_AGREEMENT = 0.99
@@ -84,7 +83,7 @@ class Plan:
     device: str
 
 
-FULL = Plan(M3, (8192, 32768, 131072), (1, 8, 32), (8192, 32768, 131072), "cuda")
+FULL = Plan(M3_SHAPE, CONTEXTS, DECODE_BATCHES, CONTEXTS, "cuda")
 SMOKE_PLAN = Plan(SMOKE, (300, 1000), (1, 3), (300,), "cpu")  # prefill: the interpreter's top-k is ~0.1 s a token
 
 
@@ -129,9 +128,9 @@ def require_environment(smoke: bool) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_vs_vllm_m3: no CUDA device: run it on the GPU machine, or --smoke for the CPU check")
     probe = torch.empty(0, device="cuda", dtype=torch.bfloat16)
-    if not (ops.uses_cute_proxy_scores(probe, M3) and ops.uses_cute_sparse_attention(probe, M3)):
+    if not (ops.uses_cute_proxy_scores(probe, M3_SHAPE) and ops.uses_cute_sparse_attention(probe, M3_SHAPE)):
         raise SystemExit(f"bench_vs_vllm_m3: ours would not run its CuTeDSL kernels here "
-                         f"({ops.describe(probe.device, probe.dtype, M3)}): an sm_90 GPU with CuTeDSL is needed")
+                         f"({ops.describe(probe.device, probe.dtype, M3_SHAPE)}): an sm_90 GPU with CuTeDSL is needed")
 
 
 def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: str, seed: int = 0) -> PagedCase:
@@ -233,7 +232,7 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
     kv_cache, index_cache = vllm_caches(case, dtype)
     seq_lens, table, hkv = batch.seq_lens, batch.block_table, shape.num_kv_heads
     max_seq_len = max(batch.seq_lens_cpu)
-    max_q, k, init, local = batch.max_query_len, shape.topk_blocks, shape.init_blocks, shape.local_blocks
+    max_q, k, init, local = max(batch.query_lens_cpu), shape.topk_blocks, shape.init_blocks, shape.local_blocks
     if max_q == 1:  # vLLM's decode split (reorder threshold 1): every request is a decode
 
         def index():
@@ -247,8 +246,7 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
 
     else:
         cu_seqlens_q = batch.query_start_loc
-        q_lens = [e - s for s, e in zip(batch.query_start_loc_cpu, batch.query_start_loc_cpu[1:])]
-        context_lens = seq_lens - torch.tensor(q_lens, dtype=torch.int32, device=seq_lens.device)
+        context_lens = seq_lens - torch.tensor(batch.query_lens_cpu, dtype=torch.int32, device=seq_lens.device)
 
         def index():
             score = index_topk.minimax_m3_index_score(index_q, index_cache, table, cu_seqlens_q, seq_lens,
@@ -287,10 +285,10 @@ def dense_steps(case: PagedCase) -> tuple[str, Callable[[], torch.Tensor]]:
         return f"SDPA {name}", run
     func, version = flash_attn()
     k_cache, v_cache = case.kv_cache[:, 0].contiguous(), case.kv_cache[:, 1].contiguous()
-    out = torch.empty_like(case.q)
+    out, max_query_len = torch.empty_like(case.q), max(batch.query_lens_cpu)
 
     def run():
-        return func(case.q, k_cache, v_cache, max_seqlen_q=batch.max_query_len, cu_seqlens_q=batch.query_start_loc,
+        return func(case.q, k_cache, v_cache, max_seqlen_q=max_query_len, cu_seqlens_q=batch.query_start_loc,
                     max_seqlen_k=max(batch.seq_lens_cpu), seqused_k=batch.seq_lens, softmax_scale=case.scale,
                     causal=True, block_table=batch.block_table, out=out, fa_version=version)
 
@@ -499,7 +497,7 @@ def main(argv=None) -> int:
         ceiling = {"bw": bw, "flops": flops}
         header = (f"# ours vs vLLM M3 Triton vs dense on {torch.cuda.get_device_name()} ({versions})\n\n"
                   f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
-                  f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3)}.\n"
+                  f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}.\n"
                   "Decode: time per layer in CUDA graphs, the eager layer time in brackets; prefill: eager. "
                   "Ratios: time ours / time theirs (< 1: ours faster). Shapes and counting: the module docstring "
                   "of kernels/bench/bench_vs_vllm_m3.py.")

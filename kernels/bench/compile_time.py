@@ -3,29 +3,32 @@
     python kernels/bench/compile_time.py        (GPU machine; or CPU with CUTE_DSL_ARCH=sm_90a)
 
 Uses a fresh cache directory, so the first column is a cold compile and the second a later
-process's load of the exported object file (kernels.cute.compiled_kernel).
+process's load of the exported object file (kernels.cute.runtime.compiled_kernel).
 """
 
 import os
 import tempfile
 import time
 
-from kernels import cute as cute_kernels
-from kernels.cute.combine import CombineParams
-from kernels.cute.proxy_scores import ProxyScoreParams
-from kernels.cute.proxy_scores_prefill import PrefillProxyScoreParams
-from kernels.cute.sparse_attn import SparseAttentionParams
-from kernels.cute.sparse_attn_prefill import GroupedAttentionParams
-from kernels.cute.topk_blocks import TopkBlocksParams
+from kernels.bench.problems import M3_SHAPE as S
+from kernels.cute.combine import CombineKernel, CombineParams
+from kernels.cute.proxy_scores import ProxyScoreKernel, ProxyScoreParams
+from kernels.cute.proxy_scores_prefill import PrefillProxyScoreKernel, PrefillProxyScoreParams
+from kernels.cute.runtime import compiled_kernel
+from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
+from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
+from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
 VARIANTS = [
-    ("proxy_scores", ProxyScoreParams(4, 1, 128)),
-    ("proxy_scores_prefill", PrefillProxyScoreParams(4, 1, 128)),
-    ("topk_blocks", TopkBlocksParams(16, 1, 0)),
-    ("sparse_attn", SparseAttentionParams(64, 4, 4, 128)),
-    ("sparse_attn", SparseAttentionParams(64, 4, 4, 128, split=True)),
-    ("sparse_attn_prefill", GroupedAttentionParams(64, 4, 4, 128, 16)),
-    ("combine", CombineParams(64, 128)),
+    (ProxyScoreKernel, ProxyScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (PrefillProxyScoreKernel, PrefillProxyScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (TopkBlocksKernel, TopkBlocksParams(S.topk_blocks, S.local_blocks, S.init_blocks)),
+    (SparseAttentionKernel, SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim)),
+    (SparseAttentionKernel,
+     SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, split=True)),
+    (PrefillAttentionKernel,
+     PrefillAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, S.topk_blocks)),
+    (CombineKernel, CombineParams(S.num_q_heads, S.head_dim)),
 ]
 
 
@@ -38,10 +41,10 @@ def timed(fn):
 def main():
     os.environ["VLLM_MSA_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="vllm-msa-kernels-")
     print("| kernel | params | compile s | load from disk s |\n|---|---|---|---|")
-    for module, params in VARIANTS:
-        compile_s = timed(lambda: cute_kernels.compiled_kernel.__wrapped__(module, params))
-        load_s = timed(lambda: cute_kernels.compiled_kernel.__wrapped__(module, params))
-        print(f"| {module} | {params} | {compile_s:.2f} | {load_s:.3f} |")
+    for kernel_cls, params in VARIANTS:
+        compile_s = timed(lambda: compiled_kernel.__wrapped__(kernel_cls, params))
+        load_s = timed(lambda: compiled_kernel.__wrapped__(kernel_cls, params))
+        print(f"| {kernel_cls.__name__} | {params} | {compile_s:.2f} | {load_s:.3f} |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ SCALE      its softmax scale, D^-0.5
 CONTEXTS   the context lengths of the tables; DECODE_BATCHES the decode batch sizes
 paged_problem  random bf16 caches, queries and a block selection for a batch of (context, new tokens)
                requests, laid out as vLLM lays them out (decode requests first where the batch mixes)
+prefill_problem  one sequence whose tokens are all new, with selections whose neighbouring tokens agree
+               to a chosen degree (what the prefill attention kernel's cost follows); mean_union
+               measures that agreement
 """
 
 import torch
@@ -48,5 +51,45 @@ def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, s
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     index_q = randn(tokens, shape.num_index_heads, shape.index_head_dim)
     scores = torch.randn(tokens, shape.num_index_heads, max(blocks), device="cuda", generator=g)
-    selected = reference.select_blocks(scores, batch.positions, shape)
+    selected = reference.topk_blocks(scores, batch.positions, shape)
     return batch, q, index_q, kv, index_cache, selected
+
+
+def correlated_scores(tokens: int, blocks: int, window: int, generator: torch.Generator,
+                      shape: MSAShape = M3_SHAPE) -> torch.Tensor:
+    """[tokens, Hi, blocks] fp32 block scores: a moving sum of `window` normal draws along the tokens
+    (window 1: every token independent; window w: neighbours' scores correlate as 1 - lag / w)."""
+    out = torch.empty(tokens, shape.num_index_heads, blocks, device="cuda")
+    for h in range(shape.num_index_heads):
+        noise = torch.randn(tokens + window, blocks, device="cuda", generator=generator)
+        sums = torch.cumsum(noise, 0)
+        out[:, h] = (sums[window:] - sums[:-window]) / window**0.5
+        del noise, sums
+    return out
+
+
+def prefill_problem(context: int, window: int, seed: int, shape: MSAShape = M3_SHAPE):
+    """One sequence of `context` new tokens on the GPU: the batch, q, the K/V cache and a selection made
+    from correlated_scores(window)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b = shape.block_size
+    blocks = -(-context // b)
+    pages = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).view(1, blocks)
+    kv = torch.randn(blocks, 2, b, shape.num_kv_heads, shape.head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    q = torch.randn(context, shape.num_q_heads, shape.head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    batch = PagedBatch(
+        query_start_loc=torch.tensor([0, context], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([context], device="cuda", dtype=torch.int32),
+        block_table=pages,
+    )
+    selected = reference.topk_blocks(correlated_scores(context, blocks, window, g, shape), batch.positions, shape)
+    return batch, q, kv, selected
+
+
+def mean_union(selected: torch.Tensor, tokens: int) -> float:
+    """Mean number of distinct blocks per (`tokens` consecutive tokens, index head) of a selection [T, Hi, K]."""
+    t = selected.shape[0] // tokens * tokens
+    groups = selected[:t].view(-1, tokens, *selected.shape[1:]).transpose(1, 2)
+    flat = groups.reshape(*groups.shape[:2], -1).sort(-1).values
+    distinct = (flat[..., 1:] != flat[..., :-1]) & (flat[..., 1:] >= 0)
+    return (distinct.sum(-1) + (flat[..., 0] >= 0)).float().mean().item()

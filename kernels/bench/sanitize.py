@@ -5,26 +5,28 @@
     compute-sanitizer --tool racecheck python3 kernels/bench/sanitize.py
 
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
-(kernels.cute.compiled_kernel) instead of compiling under the sanitizer. Each case runs
-kernels.ops.msa_attention (proxy scores: decode kernel, or the prefill kernel for a request of 64+
-new tokens; top-k; sparse attention: split-K + combine for decode, the grouped prefill kernel and
-the per-token kernel for the tiles it leaves for a prefill chunk) on a random paged problem whose
-unowned cache slots hold NaN, and checks the selection and output against the reference.
+(kernels.cute.runtime.compiled_kernel) instead of compiling under the sanitizer. Each case runs
+kernels.ops.msa_attention on a random paged problem whose unowned cache slots hold NaN and checks
+the selection and output against the reference. ops splits each batch into its decode part (proxy
+scores: the decode kernel; top-k; sparse attention: split-K + combine) and its prefill part (the
+prefill proxy kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
+leaves); the demo shape's prefill part attends on the per-token kernel (the prefill attention kernel
+does not serve 2 query heads an index head).
 """
 
 import torch
 
 from kernels import ops, reference
+from kernels.bench.problems import M3_SHAPE as M3
 from kernels.shapes import MSAShape
 from kernels.testing import make_case
 
-M3 = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-              index_head_dim=128, topk_blocks=16)
 DEMO = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=4, num_index_key_heads=1,
                 index_head_dim=32, topk_blocks=4)
 CASES = {  # name: (shape, q_lens, seq_lens)
     "M3 decode, ragged": (M3, [1, 1, 1, 1], [7, 300, 2100, 5000]),
     "M3 prefill chunk": (M3, [200], [1000]),
+    "M3 mixed": (M3, [1, 1, 130], [9000, 300, 2100]),
     "demo mixed": (DEMO, [1, 70, 1], [129, 700, 2600]),
 }
 
@@ -35,7 +37,7 @@ def main() -> None:
         out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
                                           case.scale, out=torch.full_like(case.q, float("nan")))
         scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
-        want_sel = reference.select_blocks(scores, case.batch.positions, shape)
+        want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
         want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape,
                                           case.scale)
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()

@@ -2,7 +2,7 @@
 
 out[t, g] = sum_s w_s o_s[t, g] / sum_s w_s with w_s = exp(lse_s[t, g] - max_s lse_s[t, g]);
 splits that saw no key have lse = -inf and weight 0. One CTA per (token, query head), one thread
-per output element of the head dim.
+per output element of the head dim. combine_splits launches it (for sparse_attn.py's launcher).
 """
 
 from dataclasses import dataclass
@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,19 @@ class CombineParams:
 class CombineKernel:
     def __init__(self, params: CombineParams):
         self.p = params
+
+    @classmethod
+    def compile(cls, params: CombineParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: CombineParams):
+        return (
+            row_major(cutlass.Float32, 4, align=16),  # partial_out
+            row_major(cutlass.Float32, 3),  # partial_lse
+            row_major(cutlass.BFloat16, 3, align=16),  # out
+            make_fake_stream(),
+        )
 
     @cute.jit
     def __call__(
@@ -60,14 +75,9 @@ class CombineKernel:
         out[token, head, d] = result.to(out.element_type)
 
 
-def fake_arguments(params: CombineParams):
-    return (
-        row_major(cutlass.Float32, 4, align=16),  # partial_out
-        row_major(cutlass.Float32, 3),  # partial_lse
-        row_major(cutlass.BFloat16, 3, align=16),  # out
-        make_fake_stream(),
+def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
+    _, _, num_q_heads, head_dim = partial_out.shape
+    compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))(
+        as_cute(partial_out, rows16=True), as_cute(partial_lse), as_cute(out, rows16=True), current_stream()
     )
-
-
-def compile_kernel(params: CombineParams):
-    return cute.compile(CombineKernel(params), *fake_arguments(params))

@@ -8,7 +8,7 @@ each loading 16 contiguous bytes, so a warp reads whole rows (coalesced); a thre
 slice of every index query in registers, the lanes of a row add their partial dots with shuffles,
 each thread keeps a running max per head over its rows, and the CTA reduces the max with warp
 shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path: memory bound, each key page
-is read once per query token.
+is read once per query token. proxy_block_scores launches it.
 """
 
 from dataclasses import dataclass
@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute import proxy_scores_supported
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from kernels.shapes import MSAShape, PagedBatch
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -49,8 +51,32 @@ class ProxyScoreParams:
 class ProxyScoreKernel:
     def __init__(self, params: ProxyScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert proxy_scores_supported(params.index_head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
+        """bf16 index queries and keys, 128-token blocks, 16-byte row chunks within a warp."""
+        return (dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 8 == 0
+                and 32 % (index_head_dim // 8) == 0)
+
+    @classmethod
+    def compile(cls, params: ProxyScoreParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: ProxyScoreParams):
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+        bf16, i32 = cutlass.BFloat16, cutlass.Int32
+        return (
+            row_major(bf16, 3, align=16),  # index_q
+            row_major(bf16, 4, align=16),  # proxy_cache
+            row_major(i32, 2),  # block_table
+            row_major(i32, 1),  # token_request
+            row_major(i32, 1),  # token_position
+            row_major(cutlass.Float32, 3),  # out
+            make_fake_stream(),
+        )
 
     @cute.jit
     def __call__(
@@ -132,19 +158,16 @@ class ProxyScoreKernel:
                 out[token, tidx, block] = neg_inf
 
 
-def fake_arguments(params: ProxyScoreParams):
-    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    bf16, i32 = cutlass.BFloat16, cutlass.Int32
-    return (
-        row_major(bf16, 3, align=16),  # index_q
-        row_major(bf16, 4, align=16),  # proxy_cache
-        row_major(i32, 2),  # block_table
-        row_major(i32, 1),  # token_request
-        row_major(i32, 1),  # token_position
-        row_major(cutlass.Float32, 3),  # out
-        make_fake_stream(),
+def proxy_block_scores(
+    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+) -> torch.Tensor:
+    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on Hopper: every token on its own."""
+    out = torch.empty((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), dtype=torch.float32,
+                      device=index_q.device)
+    params = ProxyScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
+    compiled_kernel(ProxyScoreKernel, params)(
+        as_cute(index_q.contiguous(), rows16=True), as_cute(proxy_cache, rows16=True),
+        as_cute(batch.block_table.to(torch.int32)), as_cute(batch.token_requests), as_cute(batch.positions),
+        as_cute(out), current_stream(),
     )
-
-
-def compile_kernel(params: ProxyScoreParams):
-    return cute.compile(ProxyScoreKernel(params), *fake_arguments(params))
+    return out

@@ -14,7 +14,8 @@ blocks on the tile's diagonal need it) and stores each row's max. The warpgroups
 Tiles are launched last first: the causal work grows along the request, so the longest tiles start
 in the first wave.
 
-Blocks past a row's position are not written: the caller fills out with -inf.
+Blocks past a row's position are not written: prefill_proxy_block_scores, its launcher, fills out
+with -inf first.
 """
 
 from dataclasses import dataclass
@@ -23,13 +24,16 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute import PREFILL_TILE_TOKENS, prefill_proxy_scores_supported
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
+from kernels.shapes import MSAShape, PagedBatch
 
+PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
 SMEM_BYTES = 220 * 1024  # of the 227 KB a CTA may use: the rest for barriers and alignment
 
@@ -62,8 +66,31 @@ class PrefillProxyScoreParams:
 class PrefillProxyScoreKernel:
     def __init__(self, params: PrefillProxyScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert prefill_proxy_scores_supported(params.index_head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
+        """bf16 index queries and keys, 128-token blocks, index head dim a multiple of 32 up to 256."""
+        return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
+
+    @classmethod
+    def compile(cls, params: PrefillProxyScoreParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: PrefillProxyScoreParams):
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+        bf16, i32 = cutlass.BFloat16, cutlass.Int32
+        return (
+            row_major(bf16, 3, align=16),  # index_q
+            row_major(bf16, 4, align=16),  # proxy_cache
+            row_major(i32, 2),  # block_table
+            row_major(i32, 1),  # token_position
+            row_major(i32, 2),  # tiles
+            row_major(cutlass.Float32, 3),  # out
+            make_fake_stream(),
+        )
 
     @cute.jit
     def __call__(
@@ -231,19 +258,18 @@ class PrefillProxyScoreKernel:
         cute.copy(tma_atom, tKg[None, page], tKs[None, stage], tma_bar_ptr=full + stage)
 
 
-def fake_arguments(params: PrefillProxyScoreParams):
-    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    bf16, i32 = cutlass.BFloat16, cutlass.Int32
-    return (
-        row_major(bf16, 3, align=16),  # index_q
-        row_major(bf16, 4, align=16),  # proxy_cache
-        row_major(i32, 2),  # block_table
-        row_major(i32, 1),  # token_position
-        row_major(i32, 2),  # tiles
-        row_major(cutlass.Float32, 3),  # out
-        make_fake_stream(),
+def prefill_proxy_block_scores(
+    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+) -> torch.Tensor:
+    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on Hopper: each request's
+    tokens in tiles of PREFILL_TILE_TOKENS."""
+    out = torch.full((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), float("-inf"),
+                     dtype=torch.float32, device=index_q.device)
+    params = PrefillProxyScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim,
+                                     shape.block_size)
+    compiled_kernel(PrefillProxyScoreKernel, params)(
+        as_cute(index_q.contiguous(), rows16=True), as_cute(proxy_cache, rows16=True),
+        as_cute(batch.block_table.to(torch.int32)), as_cute(batch.positions),
+        as_cute(batch.request_tiles(PREFILL_TILE_TOKENS)), as_cute(out), current_stream(),
     )
-
-
-def compile_kernel(params: PrefillProxyScoreParams):
-    return cute.compile(PrefillProxyScoreKernel(params), *fake_arguments(params))
+    return out

@@ -15,23 +15,29 @@ that kernel marked handled).
 
 Keys past the request's length are zero-filled in shared memory, so stale cache slots (NaN in the
 tests) never reach the MMAs.
+
+Launchers: sparse_attention (the decode phase's attention, split-K sized by num_splits) and
+attend_per_token (the same on converted inputs, also for the tiles sparse_attn_prefill.py leaves).
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute import sparse_attention_supported
+from kernels.cute.combine import combine_splits
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream, num_sms
 from kernels.cute.warp_mma import (
     as_a_operand, copy_rows, online_softmax_row, quad_reduce, row_copy, rows_cols, swizzled_rows,
 )
+from kernels.shapes import MSAShape, PagedBatch
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -46,7 +52,7 @@ class SparseAttentionParams:
     block_size: int = 128  # B: tokens per block == per page
     tile_keys: int = 64  # keys per K/V shared-memory stage
     split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
-    gated: bool = False  # skip the (token, index head) rows that `handled` marks (the grouped kernel's)
+    gated: bool = False  # skip the (token, index head) rows that `handled` marks (the prefill kernel's)
 
     @property
     def heads_per_index_head(self) -> int:
@@ -66,9 +72,38 @@ class SparseAttentionKernel:
     threads = 32
 
     def __init__(self, params: SparseAttentionParams):
-        assert sparse_attention_supported(params.head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, params.head_dim, params.block_size)
         assert params.num_q_heads % params.num_index_heads == 0 and params.num_index_heads % params.num_kv_heads == 0
         self.p = params
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """bf16 queries and K/V, 128-token blocks, head dim a multiple of 32 up to 256."""
+        return dtype == torch.bfloat16 and block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
+
+    @classmethod
+    def compile(cls, params: SparseAttentionParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: SparseAttentionParams):
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+        bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
+        return (
+            row_major(bf16, 3, align=16),  # q
+            row_major(bf16, 5, align=16),  # kv_cache
+            row_major(i32, 2),  # block_table
+            row_major(i32, 1),  # seq_lens
+            row_major(i32, 1),  # token_request
+            row_major(i32, 1),  # token_position
+            row_major(i32, 3),  # selected
+            row_major(f32 if params.split else bf16, 4, align=16),  # out
+            row_major(f32, 3),  # out_lse
+            row_major(i32, 2) if params.gated else None,  # handled
+            cutlass.Float32(1.0),
+            cutlass.Int32(1),
+            make_fake_stream(),
+        )
 
     @cute.jit
     def __call__(
@@ -292,30 +327,6 @@ class SparseAttentionKernel:
                     dst[None, i, None].fill(0)
 
 
-def fake_arguments(params: SparseAttentionParams):
-    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
-    return (
-        row_major(bf16, 3, align=16),  # q
-        row_major(bf16, 5, align=16),  # kv_cache
-        row_major(i32, 2),  # block_table
-        row_major(i32, 1),  # seq_lens
-        row_major(i32, 1),  # token_request
-        row_major(i32, 1),  # token_position
-        row_major(i32, 3),  # selected
-        row_major(f32 if params.split else bf16, 4, align=16),  # out
-        row_major(f32, 3),  # out_lse
-        row_major(i32, 2) if params.gated else None,  # handled
-        cutlass.Float32(1.0),
-        cutlass.Int32(1),
-        make_fake_stream(),
-    )
-
-
-def compile_kernel(params: SparseAttentionParams):
-    return cute.compile(SparseAttentionKernel(params), *fake_arguments(params))
-
-
 SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM; each resident CTA also takes 1 KB of it
 
 
@@ -346,3 +357,72 @@ def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, reside
         if best is None or cost < best[0]:
             best = (cost, splits, per_split)
     return best[1], best[2]
+
+
+def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, selected: torch.Tensor) -> tuple:
+    """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them, converted
+    once: the prefill kernel and the per-token kernel for the tiles it leaves share them."""
+    return (
+        as_cute(q.contiguous(), rows16=True), as_cute(kv_cache, rows16=True),
+        *(as_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
+                               selected.to(torch.int32).contiguous())),
+    )
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    selected: torch.Tensor,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as kernels.reference.sparse_attention, for bf16 inputs on Hopper: one token per CTA.
+
+    kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
+    tile), chosen by num_splits unless given (benchmarks sweep it).
+    """
+    result = contiguous_out(out, q.shape, q.dtype, q.device)
+    attend_per_token(attention_inputs(q, kv_cache, batch, selected), batch, shape, selected.shape[-1], result, scale,
+                     splits)
+    return copy_into(result, out)
+
+
+def attend_per_token(
+    inputs: tuple,
+    batch: PagedBatch,
+    shape: MSAShape,
+    topk: int,
+    result: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    handled: torch.Tensor | None = None,
+) -> None:
+    """The per-token kernel on attention_inputs into the contiguous result [T, Hq, D]: split-K merged by
+    combine.py where splits > 1; with `handled` ([T, Hi] int32, the prefill kernel's flags) the gated
+    variant, which skips the rows already written."""
+    num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
+    q, kv_cache, block_table, seq_lens, positions, selected = inputs
+    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size,
+                                   gated=handled is not None)
+    if splits is None:
+        resident = resident_ctas_per_sm(params) * num_sms(result.device.index or 0)
+        splits, per_split = num_splits(num_tokens, params, topk, resident)
+    else:
+        per_split = -(-topk // splits)
+        splits = -(-topk // per_split)
+    token_inputs = (q, kv_cache, block_table, seq_lens, as_cute(batch.token_requests), positions, selected)
+    lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=result.device)
+    if splits == 1:
+        compiled_kernel(SparseAttentionKernel, params)(
+            *token_inputs, as_cute(result.view(1, num_tokens, hq, d), rows16=True), as_cute(lse),
+            None if handled is None else as_cute(handled), scale, per_split, current_stream(),
+        )
+    else:
+        partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
+        compiled_kernel(SparseAttentionKernel, replace(params, split=True))(
+            *token_inputs, as_cute(partial, rows16=True), as_cute(lse), None, scale, per_split, current_stream()
+        )
+        combine_splits(partial, lse, result)

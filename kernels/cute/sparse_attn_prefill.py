@@ -7,8 +7,9 @@ their blocks independently, so the CTA reads the union of their selections once,
 and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
 the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
 up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
-MMA rows: a tile whose union exceeds `max_union` blocks is left to the per-token kernel
-(sparse_attn.py, gated on the `handled` flags this kernel writes).
+MMA rows: a tile whose union exceeds `max_union` blocks (default MAX_UNION x K a token) is left to
+the per-token kernel (sparse_attn.py, gated on the `handled` flags this kernel writes);
+prefill_sparse_attention launches both.
 
 Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
 (default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
@@ -23,22 +24,26 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute import GROUPED_ROWS, grouped_attention_supported
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from kernels.cute.sparse_attn import attend_per_token, attention_inputs
 from kernels.cute.warp_mma import (
     acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt,
 )
+from kernels.shapes import MSAShape, PagedBatch
 
-ROWS = GROUPED_ROWS  # the warpgroup MMA's M: tokens per tile x query heads per index head
+ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
+MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
 THREADS = 128
 LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class GroupedAttentionParams:
+class PrefillAttentionParams:
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
     num_index_heads: int  # Hi
@@ -61,12 +66,44 @@ class GroupedAttentionParams:
         return self.tokens_per_tile * self.topk_blocks
 
 
-class GroupedAttentionKernel:
-    def __init__(self, params: GroupedAttentionParams):
-        assert grouped_attention_supported(params.num_q_heads, params.num_index_heads, params.head_dim,
-                                           params.block_size)
+class PrefillAttentionKernel:
+    def __init__(self, params: PrefillAttentionParams):
+        assert self.can_implement(torch.bfloat16, params.num_q_heads, params.num_index_heads, params.head_dim,
+                                  params.block_size)
         assert params.num_index_heads % params.num_kv_heads == 0
         self.p = params
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype, num_q_heads: int, num_index_heads: int, head_dim: int,
+                      block_size: int) -> bool:
+        """bf16 queries and K/V, 128-token blocks, head dim 64 or 128, m = Hq / Hi query heads per index
+        head dividing 64 with at most 16 tokens per tile (m >= 4)."""
+        m = num_q_heads // num_index_heads
+        return (dtype == torch.bfloat16 and block_size == 128 and head_dim in (64, 128) and 4 <= m <= ROWS
+                and ROWS % m == 0)
+
+    @classmethod
+    def compile(cls, params: PrefillAttentionParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: PrefillAttentionParams):
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+        bf16, i32 = cutlass.BFloat16, cutlass.Int32
+        return (
+            row_major(bf16, 3, align=16),  # q
+            row_major(bf16, 5, align=16),  # kv_cache
+            row_major(i32, 2),  # block_table
+            row_major(i32, 1),  # seq_lens
+            row_major(i32, 1),  # token_position
+            row_major(i32, 3),  # selected
+            row_major(i32, 2),  # tiles
+            row_major(bf16, 3, align=16),  # out
+            row_major(i32, 2),  # handled
+            cutlass.Int32(0),  # max_union
+            cutlass.Float32(1.0),
+            make_fake_stream(),
+        )
 
     @cute.jit
     def __call__(
@@ -358,24 +395,36 @@ class GroupedAttentionKernel:
         cute.copy(tma_atom, tKVg[None, 1, page], tVs[None, stage], tma_bar_ptr=full + stage)
 
 
-def fake_arguments(params: GroupedAttentionParams):
-    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    bf16, i32 = cutlass.BFloat16, cutlass.Int32
-    return (
-        row_major(bf16, 3, align=16),  # q
-        row_major(bf16, 5, align=16),  # kv_cache
-        row_major(i32, 2),  # block_table
-        row_major(i32, 1),  # seq_lens
-        row_major(i32, 1),  # token_position
-        row_major(i32, 3),  # selected
-        row_major(i32, 2),  # tiles
-        row_major(bf16, 3, align=16),  # out
-        row_major(i32, 2),  # handled
-        cutlass.Int32(0),  # max_union
-        cutlass.Float32(1.0),
-        make_fake_stream(),
+def prefill_sparse_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    selected: torch.Tensor,
+    shape: MSAShape,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_union: int | None = None,
+    stages: int = 1,
+) -> torch.Tensor:
+    """Same contract as kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
+    each request's tiles of consecutive tokens, the gated per-token kernel on the tiles whose union of
+    blocks exceeds max_union (default MAX_UNION x K per token; 10**6: none).
+
+    kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA (benchmarks
+    sweep it and max_union).
+    """
+    num_tokens, topk = batch.num_tokens, selected.shape[-1]
+    params = PrefillAttentionParams(shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim,
+                                    topk, shape.block_size, stages)
+    if max_union is None:
+        max_union = round(MAX_UNION * params.tokens_per_tile * topk)
+    inputs = attention_inputs(q, kv_cache, batch, selected)
+    result = contiguous_out(out, q.shape, q.dtype, q.device)
+    handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
+    compiled_kernel(PrefillAttentionKernel, params)(
+        *inputs, as_cute(batch.request_tiles(params.tokens_per_tile)), as_cute(result, rows16=True),
+        as_cute(handled), max_union, scale, current_stream(),
     )
-
-
-def compile_kernel(params: GroupedAttentionParams):
-    return cute.compile(GroupedAttentionKernel(params), *fake_arguments(params))
+    if max_union < params.candidates:  # some tiles were left
+        attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled)
+    return copy_into(result, out)

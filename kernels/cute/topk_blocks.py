@@ -1,6 +1,6 @@
 """CuTeDSL kernel: top-k block selection from the proxy block scores.
 
-Computes reference.select_blocks: per (query token, index head) row, the forced blocks (the query's
+Computes reference.topk_blocks: per (query token, index head) row, the forced blocks (the query's
 block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the
 other visible blocks, ascending, -1 padded. One CTA (128 threads) per row.
 
@@ -11,7 +11,7 @@ set (one CTA-wide count per bit, 32 in all, and one more for the candidates abov
 says how many equal to it to keep). A last pass walks the blocks in order and keeps
 the forced ones, the candidates above the threshold and the first candidates equal to it, so ties
 go to the lower block number and the output comes out sorted. Rows with no more candidates than
-slots skip the search and take every visible block.
+slots skip the search and take every visible block. topk_blocks launches it.
 """
 
 from dataclasses import dataclass
@@ -19,9 +19,12 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels.cute.fake import row_major
+from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from kernels.shapes import MSAShape
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -41,6 +44,21 @@ class TopkBlocksKernel:
     def __init__(self, params: TopkBlocksParams):
         assert params.topk_blocks >= params.local_blocks + params.init_blocks and params.local_blocks >= 1
         self.p = params
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype) -> bool:
+        """fp32 block scores (read as their bit patterns); any K, L, I and block size."""
+        return dtype == torch.float32
+
+    @classmethod
+    def compile(cls, params: TopkBlocksParams):
+        return cute.compile(cls(params), *cls.fake_arguments(params))
+
+    @staticmethod
+    def fake_arguments(params: TopkBlocksParams):
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
+        i32 = cutlass.Int32
+        return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), make_fake_stream())
 
     @cute.jit
     def __call__(
@@ -166,11 +184,17 @@ class TopkBlocksKernel:
         return below, total
 
 
-def fake_arguments(params: TopkBlocksParams):
-    """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-    i32 = cutlass.Int32
-    return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), make_fake_stream())
-
-
-def compile_kernel(params: TopkBlocksParams):
-    return cute.compile(TopkBlocksKernel(params), *fake_arguments(params))
+def topk_blocks(
+    scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Same contract as kernels.reference.topk_blocks, for fp32 scores on Hopper; ties go to the lower
+    block number. out: [T, Hi, K] int32 to write (a slice of a step's selection), else a new tensor."""
+    num_tokens, num_heads, _ = scores.shape
+    result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
+    if num_tokens:
+        params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
+        compiled_kernel(TopkBlocksKernel, params)(
+            as_cute(scores.contiguous().view(torch.int32)), as_cute(positions.to(torch.int32)), as_cute(result),
+            current_stream(),
+        )
+    return copy_into(result, out)
