@@ -381,8 +381,9 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
     # bf16 paths with different kernels. Up to the first differing token both sides must give the same
     # logprobs within bf16 noise. A differing token is a faithful greedy pick only where it cannot be
     # decided in bf16: vLLM's top-2 are a near tie, or vLLM itself picks differently on its own two
-    # execution paths of that context (whole prefill vs cached prefix + chunk: the GEMM shapes alone flip
-    # a block selection there, H200 2026-12-03, results/README.md) and one of them picks FLASH_MSA's token.
+    # execution paths of that context (whole prefill vs cached prefix + chunk: bf16 rounding alone flips a
+    # near-tied MoE routing decision there, H200 2026-12-03, results/README.md) and one of them picks
+    # FLASH_MSA's token.
     for p, (mine, vllm_tokens) in enumerate(zip(ours["tokens"], theirs["tokens"])):
         what = f"prompt {p} ({PROMPT_LENS[p] if p < len(PROMPT_LENS) else 'shared prefix'} tokens)"
         step = first_difference(mine, vllm_tokens)
