@@ -1,15 +1,17 @@
-"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, impl.
+"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, the two impls.
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
-FlashMSAImpl.forward_msa writes the new K/V and proxy keys into their paged caches, scores the
+MSAImpl.forward writes the new K/V and proxy keys into their paged caches, scores the
 proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only
 (kernels.ops: CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
-Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
-CUDA, e.g. a checkpoint's dense_layers) run FlashMSAImpl.forward: vLLM's FlashAttention on the same
-paged K/V cache where vLLM has it (FA3 on Hopper), else the sparse attention path with every visible
-block selected.
+Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vLLM builds (get_impl_cls)
+for the plain (dense) attention layers it routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
+CUDA, e.g. a checkpoint's dense_layers): vLLM's FlashAttention on the same paged K/V cache where vLLM
+has it (FA3 on Hopper), else the sparse attention path with every visible block selected. MSAImpl
+runs an MSA layer, with its own forward signature (the index query and keys, the proxy-key cache), so
+it has vLLM's base class for such impls; MSAAttention (layer.py) builds it.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
@@ -35,6 +37,7 @@ from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
+    AttentionImplBase,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
@@ -111,10 +114,11 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """Full graphs for decode batches when every FLASH_MSA layer of the model runs CuTeDSL kernels."""
+        """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
+        kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
         impls = [getattr(layer, "impl", None) for layer in vllm_config.compilation_config.static_forward_context.values()]
-        impls = [impl for impl in impls if isinstance(impl, FlashMSAImpl)]
+        impls = [impl for impl in impls if isinstance(impl, (FlashMSAImpl, MSAImpl))]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
@@ -143,6 +147,8 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
 
 class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
+    """A plain (dense) causal attention layer on FLASH_MSA, as vLLM builds it (FlashMSABackend.get_impl_cls)."""
+
     def __init__(
         self,
         num_heads: int,
@@ -155,7 +161,6 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        msa_shape: MSAShape | None = None,
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
@@ -171,18 +176,15 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.msa_shape = msa_shape
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if self.msa_shape is None:  # a dense layer
-            if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
-                return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
-            return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
-        return ops.graph_capturable(device, dtype, self.msa_shape)
+        if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
+            return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
+        return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
 
     def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
         """A dense layer as MSA: one index head per KV head and every block selectable."""
@@ -232,7 +234,20 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         ops.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
         return output
 
-    def forward_msa(
+
+class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
+    """One MSA layer's step on its paged caches: cache the new K/V and proxy keys, select blocks, attend."""
+
+    def __init__(self, shape: MSAShape, scale: float) -> None:
+        self.shape = shape
+        self.num_heads = shape.num_q_heads
+        self.head_size = shape.head_dim
+        self.scale = scale
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return ops.graph_capturable(device, dtype, self.shape)
+
+    def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -250,9 +265,9 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
         clock: if given, marks the start, the end of the selection and the end of the attention.
         """
-        shape = self.msa_shape
+        shape = self.shape
         n = attn_metadata.num_actual_tokens
-        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
+        kv_cache = paged_kv(kv_cache, shape.num_kv_heads, shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
         if clock is not None:

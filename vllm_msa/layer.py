@@ -1,7 +1,7 @@
 """MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
-layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
+layer) and its proxy-key side cache, and runs its MSAImpl (backend.py) behind one opaque custom op
 (`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
 splits its piecewise CUDA graphs there; breakable graphs break there). The selection of the
 model's last MSA layer (for all MSA layers) and, sampled, every layer's stage times feed the
@@ -22,7 +22,7 @@ from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm_msa import compat, metrics, selection_log
-from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
+from vllm_msa.backend import FlashMSABackend, MSAImpl
 from vllm_msa.config import MSAConfigError
 from vllm_msa.proxy_cache import ProxyKeyCache
 
@@ -43,14 +43,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         self.model_name = vllm_config.model_config.served_model_name
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
-        self.impl = FlashMSAImpl(
-            shape.num_q_heads,
-            shape.head_dim,
-            scale,
-            shape.num_kv_heads,
-            kv_cache_dtype=self.kv_cache_dtype,
-            msa_shape=shape,
-        )
+        self.impl = MSAImpl(shape, scale)
         self.proxy_cache = ProxyKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
         )
@@ -91,7 +84,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         s = self.shape
         metadata = attn_metadata[self.layer_name]
         stats = metrics.step_stats(q.device, self.model_name)
-        selected = self.impl.forward_msa(
+        selected = self.impl.forward(
             q.view(-1, s.num_q_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim),

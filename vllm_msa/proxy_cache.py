@@ -28,7 +28,7 @@ class ProxyKeyCacheBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's FlashMSAImpl")
+        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's MSAImpl")
 
     @staticmethod
     def get_builder_cls() -> type[FlashMSAMetadataBuilder]:
