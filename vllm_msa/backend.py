@@ -117,7 +117,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
         kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
-        impls = [getattr(layer, "impl", None) for layer in vllm_config.compilation_config.static_forward_context.values()]
+        impls = [getattr(layer, "impl", None) for layer in compat.attention_layers(vllm_config).values()]
         impls = [impl for impl in impls if isinstance(impl, (FlashMSAImpl, MSAImpl))]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

@@ -14,11 +14,7 @@ from torch import nn
 from torch.library import Library
 
 from kernels.shapes import MSAShape
-from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
+from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm_msa import compat, metrics, selection_log
@@ -27,7 +23,7 @@ from vllm_msa.config import MSAConfigError
 from vllm_msa.proxy_cache import ProxyKeyCache
 
 
-class MSAAttention(nn.Module, AttentionLayerBase):
+class MSAAttention(nn.Module, compat.AttentionLayerBase):
     def __init__(
         self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str, metrics_layers: int
     ) -> None:
@@ -36,13 +32,13 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         shape and selects min(K, visible blocks) blocks per token and index head whatever the scores,
         so one layer's counts are every layer's."""
         super().__init__()
-        vllm_config = get_current_vllm_config()
+        vllm_config = compat.current_vllm_config()
         self.layer_name = prefix
         self.shape = shape
         self.metrics_layers = metrics_layers
         self.model_name = vllm_config.model_config.served_model_name
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
-        self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
+        self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
         self.impl = MSAImpl(shape, scale)
         self.proxy_cache = ProxyKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
@@ -50,10 +46,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         # Under tensor parallelism each rank selects for its own index heads; the first rank's are logged.
         self.logs_selection = compat.tensor_parallel_rank_and_size()[0] == 0
-        forward_context = vllm_config.compilation_config.static_forward_context
-        if prefix in forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        forward_context[prefix] = self
+        compat.register_attention_layer(prefix, self)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return FlashMSABackend
@@ -77,7 +70,7 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         return output
 
     def run(self, q, k, v, index_q, index_k, output) -> None:
-        attn_metadata = get_forward_context().attn_metadata
+        attn_metadata = compat.step_attn_metadata()
         if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
             output.zero_()
             return
@@ -116,12 +109,12 @@ def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
     )
 
 
-@eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
+@compat.eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
 def _msa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
     output: torch.Tensor, layer_name: str,
 ) -> None:
-    get_forward_context().no_compile_layers[layer_name].run(q, k, v, index_q, index_k, output)
+    compat.step_layer(layer_name).run(q, k, v, index_q, index_k, output)
 
 
 def _msa_attention_fake(
@@ -132,10 +125,4 @@ def _msa_attention_fake(
 
 
 _LIBRARY = Library("vllm_msa", "FRAGMENT")
-direct_register_custom_op(
-    op_name="msa_attention",
-    op_func=_msa_attention,
-    mutates_args=["output"],
-    fake_impl=_msa_attention_fake,
-    target_lib=_LIBRARY,
-)
+compat.register_custom_op(_LIBRARY, "msa_attention", _msa_attention, _msa_attention_fake, mutates_args=["output"])
