@@ -2,16 +2,17 @@
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
-MSAImpl.forward writes the new K/V and proxy keys into their paged caches, scores the
-proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only
-(kernels.ops: CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
+MSAImpl writes the new K/V and proxy keys into their paged caches, scores the proxy keys per
+128-token block, picks the top-k blocks and runs attention over those blocks only (kernels.ops:
+CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
 Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vLLM builds (get_impl_cls)
 for the plain (dense) attention layers it routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
 CUDA, e.g. a checkpoint's dense_layers): vLLM's FlashAttention on the same paged K/V cache where vLLM
 has it (FA3 on Hopper), else the sparse attention path with every visible block selected. MSAImpl
-runs an MSA layer, with its own forward signature (the index query and keys, the proxy-key cache), so
-it has vLLM's base class for such impls; MSAAttention (layer.py) builds it.
+runs an MSA layer in three stages with their own signatures (the index query and keys, the proxy-key
+cache), so it has vLLM's base class for impls without the dense forward; MSAAttention (layer.py)
+builds it and runs the stages.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
@@ -30,8 +31,9 @@ import torch
 
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
-from vllm_msa import compat, metrics
+from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -126,7 +128,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> FlashMSAMetadata:
-        metrics.publish_recorded()  # runs every step, also before a step that replays a full CUDA graph
+        OBSERVER.before_step()  # runs every step, also before a step that replays a full CUDA graph
         m = common_attn_metadata
         batch = PagedBatch(
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
@@ -236,7 +238,8 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
 
 class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
-    """One MSA layer's step on its paged caches: cache the new K/V and proxy keys, select blocks, attend."""
+    """One MSA layer's step on its paged caches, in three stages that MSAAttention runs in this order (the
+    step observer marks the stages apart): cache the step's K/V and proxy keys, select blocks, attend."""
 
     def __init__(self, shape: MSAShape, scale: float) -> None:
         self.shape = shape
@@ -247,38 +250,40 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         return ops.graph_capturable(device, dtype, self.shape)
 
-    def forward(
+    def write_caches(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        index_query: torch.Tensor,
         index_key: torch.Tensor,
         kv_cache: torch.Tensor,
         proxy_cache: torch.Tensor,
         attn_metadata: FlashMSAMetadata,
         proxy_metadata: FlashMSAMetadata,
-        output: torch.Tensor,
-        clock: metrics.StageClock | None = None,
-    ) -> torch.Tensor:
-        """One MSA layer: cache the new K/V and proxy keys, select blocks, attend. Returns the selection.
-
-        clock: if given, marks the start, the end of the selection and the end of the attention.
-        """
-        shape = self.shape
-        n = attn_metadata.num_actual_tokens
-        kv_cache = paged_kv(kv_cache, shape.num_kv_heads, shape.head_dim)
+    ) -> None:
+        """Store the step's K/V [T, Hkv, D] and proxy keys [T, Hki, Dp] at their cache slots."""
+        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
-        if clock is not None:
-            clock.mark()
-        selected = ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, shape)
-        if clock is not None:
-            clock.mark()
-        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, shape, self.scale, out=output[:n])
-        if clock is not None:
-            clock.mark()
-        return selected
+
+    def select(
+        self, index_query: torch.Tensor, proxy_cache: torch.Tensor, proxy_metadata: FlashMSAMetadata
+    ) -> torch.Tensor:
+        """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: proxy scores, top-k."""
+        n = proxy_metadata.num_actual_tokens
+        return ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, self.shape)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashMSAMetadata,
+        selected: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of each query token [T, Hq, D] over its selected blocks, into output."""
+        n = attn_metadata.num_actual_tokens
+        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
+        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, self.shape, self.scale, out=output[:n])
 
 
 @functools.cache

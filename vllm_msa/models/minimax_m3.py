@@ -40,8 +40,8 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         super().__init__()
         if use_sequence_parallel:
             raise MSAConfigError("FLASH_MSA does not serve MiniMax-M3 with sequence parallelism")
-        msa = MSAModelConfig.from_minimax_m3(config)
-        shape = msa.layer_shape(config)
+        layout = MSAModelConfig.from_minimax_m3(config).rank_layout(config)  # the whole layer: M3 is served at TP 1
+        shape = layout.shape
         self.shape = shape
         self.q_size = shape.num_q_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
@@ -61,8 +61,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             shape.head_dim, max_position=config.max_position_embeddings,
             rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
-        self.attn = MSAAttention(shape, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=msa.metrics_layers(config.num_hidden_layers, layer_id))
+        self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
