@@ -1,15 +1,18 @@
-"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, impl.
+"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, the two impls.
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
-FlashMSAImpl.forward_msa writes the new K/V and proxy keys into their paged caches, scores the
-proxy keys per 128-token block, picks the top-k blocks and runs attention over those blocks only
-(kernels.ops: CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
+MSAImpl writes the new K/V and proxy keys into their paged caches, scores the proxy keys per
+128-token block, picks the top-k blocks and runs attention over those blocks only (kernels.ops:
+CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
-Plain (dense) attention layers that vLLM routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
-CUDA, e.g. a checkpoint's dense_layers) run FlashMSAImpl.forward: vLLM's FlashAttention on the same
-paged K/V cache where vLLM has it (FA3 on Hopper), else the sparse attention path with every visible
-block selected.
+Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vLLM builds (get_impl_cls)
+for the plain (dense) attention layers it routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
+CUDA, e.g. a checkpoint's dense_layers): vLLM's FlashAttention on the same paged K/V cache where vLLM
+has it (FA3 on Hopper), else the sparse attention path with every visible block selected. MSAImpl
+runs an MSA layer in three stages with their own signatures (the index query and keys, the proxy-key
+cache), so it has vLLM's base class for impls without the dense forward; MSAAttention (layer.py)
+builds it and runs the stages.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
@@ -28,13 +31,15 @@ import torch
 
 from kernels import ops, reference
 from kernels.shapes import MSAShape, PagedBatch
-from vllm_msa import compat, metrics
+from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
+    AttentionImplBase,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
@@ -111,10 +116,11 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """Full graphs for decode batches when every FLASH_MSA layer of the model runs CuTeDSL kernels."""
+        """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
+        kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
-        impls = [getattr(layer, "impl", None) for layer in vllm_config.compilation_config.static_forward_context.values()]
-        impls = [impl for impl in impls if isinstance(impl, FlashMSAImpl)]
+        impls = [getattr(layer, "impl", None) for layer in compat.attention_layers(vllm_config).values()]
+        impls = [impl for impl in impls if isinstance(impl, (FlashMSAImpl, MSAImpl))]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
@@ -122,7 +128,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> FlashMSAMetadata:
-        metrics.publish_recorded()  # runs every step, also before a step that replays a full CUDA graph
+        OBSERVER.before_step()  # runs every step, also before a step that replays a full CUDA graph
         m = common_attn_metadata
         batch = PagedBatch(
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
@@ -143,6 +149,8 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
 
 class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
+    """A plain (dense) causal attention layer on FLASH_MSA, as vLLM builds it (FlashMSABackend.get_impl_cls)."""
+
     def __init__(
         self,
         num_heads: int,
@@ -155,7 +163,6 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        msa_shape: MSAShape | None = None,
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes,
@@ -171,18 +178,15 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.msa_shape = msa_shape
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if self.msa_shape is None:  # a dense layer
-            if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
-                return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
-            return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
-        return ops.graph_capturable(device, dtype, self.msa_shape)
+        if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
+            return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
+        return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
 
     def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
         """A dense layer as MSA: one index head per KV head and every block selectable."""
@@ -232,38 +236,54 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         ops.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
         return output
 
-    def forward_msa(
+
+class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
+    """One MSA layer's step on its paged caches, in three stages that MSAAttention runs in this order (the
+    step observer marks the stages apart): cache the step's K/V and proxy keys, select blocks, attend."""
+
+    def __init__(self, shape: MSAShape, scale: float) -> None:
+        self.shape = shape
+        self.num_heads = shape.num_q_heads
+        self.head_size = shape.head_dim
+        self.scale = scale
+
+    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return ops.graph_capturable(device, dtype, self.shape)
+
+    def write_caches(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        index_query: torch.Tensor,
         index_key: torch.Tensor,
         kv_cache: torch.Tensor,
         proxy_cache: torch.Tensor,
         attn_metadata: FlashMSAMetadata,
         proxy_metadata: FlashMSAMetadata,
-        output: torch.Tensor,
-        clock: metrics.StageClock | None = None,
-    ) -> torch.Tensor:
-        """One MSA layer: cache the new K/V and proxy keys, select blocks, attend. Returns the selection.
-
-        clock: if given, marks the start, the end of the selection and the end of the attention.
-        """
-        shape = self.msa_shape
-        n = attn_metadata.num_actual_tokens
-        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
+    ) -> None:
+        """Store the step's K/V [T, Hkv, D] and proxy keys [T, Hki, Dp] at their cache slots."""
+        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
         write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
-        if clock is not None:
-            clock.mark()
-        selected = ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, shape)
-        if clock is not None:
-            clock.mark()
-        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, shape, self.scale, out=output[:n])
-        if clock is not None:
-            clock.mark()
-        return selected
+
+    def select(
+        self, index_query: torch.Tensor, proxy_cache: torch.Tensor, proxy_metadata: FlashMSAMetadata
+    ) -> torch.Tensor:
+        """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: proxy scores, top-k."""
+        n = proxy_metadata.num_actual_tokens
+        return ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, self.shape)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashMSAMetadata,
+        selected: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of each query token [T, Hq, D] over its selected blocks, into output."""
+        n = attn_metadata.num_actual_tokens
+        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
+        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, self.shape, self.scale, out=output[:n])
 
 
 @functools.cache

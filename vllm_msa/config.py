@@ -109,12 +109,6 @@ class MSAModelConfig:
     def is_sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
-    def metrics_layers(self, num_layers: int, layer_index: int) -> int:
-        """MSAAttention's metrics_layers for this layer: the model's MSA layer count in its last MSA layer,
-        which records the step's selection metrics for all of them, else 0."""
-        sparse = self.sparse_layers(num_layers)
-        return len(sparse) if layer_index == sparse[-1] else 0
-
     def rank_layout(self, hf_config, tp_size: int = 1, tp_rank: int = 0) -> "RankLayout":
         """What one tensor-parallel rank of an MSA layer holds. Heads split as vLLM splits attention heads:
         query heads evenly; KV, index and index-key heads evenly where the TP size divides their count,
@@ -164,7 +158,7 @@ class RankLayout:
     shape: MSAShape  # the rank's head counts
     index_heads: range  # the layer's index heads this rank computes
     index_key_heads: range  # the layer's index key heads this rank caches
-    counts_selections: bool  # the first rank of those index heads' replicas: it feeds the metrics
+    counts_selections: bool  # the first rank of those index heads' replicas: the one that counts them (observer.py)
 
     def describe(self, tp_size: int) -> str:
         s = self.shape

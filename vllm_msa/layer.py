@@ -1,12 +1,12 @@
 """MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
-layer) and its proxy-key side cache, and runs FlashMSAImpl.forward_msa behind one opaque custom op
+layer) and its proxy-key side cache, and runs its MSAImpl (backend.py) behind one opaque custom op
 (`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
-splits its piecewise CUDA graphs there; breakable graphs break there). The selection of the
-model's last MSA layer (for all MSA layers) and, sampled, every layer's stage times feed the
-sparse-layer metrics (metrics.py); each layer's selection feeds the selection log
-(selection_log.py) for requests marked for it.
+splits its piecewise CUDA graphs there; breakable graphs break there). Each call runs the impl's
+three stages (cache writes, block selection, sparse attention) inside a step of the observer
+(observer.py), which turns the selections and stage times into the sparse-layer metrics and the
+selection log.
 """
 
 import torch
@@ -14,53 +14,33 @@ from torch import nn
 from torch.library import Library
 
 from kernels.shapes import MSAShape
-from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-from vllm.config import CacheConfig, VllmConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
+from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from vllm_msa import compat, metrics, selection_log
-from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
-from vllm_msa.config import MSAConfigError
+from vllm_msa import compat
+from vllm_msa.backend import FlashMSABackend, MSAImpl
+from vllm_msa.config import MSAConfigError, RankLayout
+from vllm_msa.observer import OBSERVER
 from vllm_msa.proxy_cache import ProxyKeyCache
 
 
-class MSAAttention(nn.Module, AttentionLayerBase):
-    def __init__(
-        self, shape: MSAShape, scale: float, cache_config: CacheConfig | None, prefix: str, metrics_layers: int
-    ) -> None:
-        """metrics_layers: the model's MSA layer count in its last MSA layer, which records and publishes
-        the step's selection metrics for all of them, else 0. Every MSA layer of a model has the same
-        shape and selects min(K, visible blocks) blocks per token and index head whatever the scores,
-        so one layer's counts are every layer's."""
+class MSAAttention(nn.Module, compat.AttentionLayerBase):
+    def __init__(self, layout: RankLayout, scale: float, cache_config: CacheConfig | None, prefix: str) -> None:
+        """layout: this tensor-parallel rank's part of the layer (MSAModelConfig.rank_layout)."""
         super().__init__()
-        vllm_config = get_current_vllm_config()
+        vllm_config = compat.current_vllm_config()
+        shape = layout.shape
         self.layer_name = prefix
         self.shape = shape
-        self.metrics_layers = metrics_layers
-        self.model_name = vllm_config.model_config.served_model_name
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
-        self.kv_cache_torch_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, vllm_config.model_config)
-        self.impl = FlashMSAImpl(
-            shape.num_q_heads,
-            shape.head_dim,
-            scale,
-            shape.num_kv_heads,
-            kv_cache_dtype=self.kv_cache_dtype,
-            msa_shape=shape,
-        )
+        self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
+        self.impl = MSAImpl(shape, scale)
         self.proxy_cache = ProxyKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
-        # Under tensor parallelism each rank selects for its own index heads; the first rank's are logged.
-        self.logs_selection = compat.tensor_parallel_rank_and_size()[0] == 0
-        forward_context = vllm_config.compilation_config.static_forward_context
-        if prefix in forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        forward_context[prefix] = self
+        compat.register_attention_layer(prefix, self)
+        OBSERVER.register(prefix, layout)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return FlashMSABackend
@@ -84,35 +64,23 @@ class MSAAttention(nn.Module, AttentionLayerBase):
         return output
 
     def run(self, q, k, v, index_q, index_k, output) -> None:
-        attn_metadata = get_forward_context().attn_metadata
+        attn_metadata = compat.step_attn_metadata()
         if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
             output.zero_()
             return
-        s = self.shape
-        metadata = attn_metadata[self.layer_name]
-        stats = metrics.step_stats(q.device, self.model_name)
-        selected = self.impl.forward_msa(
-            q.view(-1, s.num_q_heads, s.head_dim),
-            k.view(-1, s.num_kv_heads, s.head_dim),
-            v.view(-1, s.num_kv_heads, s.head_dim),
-            index_q.view(-1, s.num_index_heads, s.index_head_dim),
-            index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
-            self.kv_cache,
-            self.proxy_cache.pages(),
-            metadata,
-            attn_metadata[self.proxy_cache.prefix],
-            output.view(-1, s.num_q_heads, s.head_dim),
-            clock=stats.clock(),
-        )
-        batch = metadata.batch
-        if self.metrics_layers:
-            stats.record(selected, batch.positions, s.block_size, layers=self.metrics_layers)
-            stats.publish()
-        capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
-        if selection_log.labels_by_key and self.logs_selection and not capturing:
-            selection_log.log_selection(
-                self.layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens, metadata.request_keys
-            )
+        s, impl = self.shape, self.impl
+        metadata, proxy_metadata = attn_metadata[self.layer_name], attn_metadata[self.proxy_cache.prefix]
+        proxy_cache = self.proxy_cache.pages()
+        step = OBSERVER.layer_step(self.layer_name, q.device)
+        impl.write_caches(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim),
+                          index_k.view(-1, s.num_index_key_heads, s.index_head_dim), self.kv_cache, proxy_cache,
+                          metadata, proxy_metadata)
+        step.mark()  # the selection starts
+        selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), proxy_cache, proxy_metadata)
+        step.mark()  # the attention starts
+        impl.attend(q.view(-1, s.num_q_heads, s.head_dim), self.kv_cache, metadata, selected,
+                    output.view(-1, s.num_q_heads, s.head_dim))
+        step.done(selected, metadata)
 
 
 def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
@@ -123,12 +91,12 @@ def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
     )
 
 
-@eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
+@compat.eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
 def _msa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
     output: torch.Tensor, layer_name: str,
 ) -> None:
-    get_forward_context().no_compile_layers[layer_name].run(q, k, v, index_q, index_k, output)
+    compat.step_layer(layer_name).run(q, k, v, index_q, index_k, output)
 
 
 def _msa_attention_fake(
@@ -139,10 +107,4 @@ def _msa_attention_fake(
 
 
 _LIBRARY = Library("vllm_msa", "FRAGMENT")
-direct_register_custom_op(
-    op_name="msa_attention",
-    op_func=_msa_attention,
-    mutates_args=["output"],
-    fake_impl=_msa_attention_fake,
-    target_lib=_LIBRARY,
-)
+compat.register_custom_op(_LIBRARY, "msa_attention", _msa_attention, _msa_attention_fake, mutates_args=["output"])

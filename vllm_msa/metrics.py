@@ -22,10 +22,11 @@ read_tokens / context_tokens; proxy time share = selection_seconds / (selection_
 attention_seconds). Timing uses CUDA events read back once the GPU has passed them (no sync; calls
 replayed from a CUDA graph are not timed), or the host clock on CPU.
 
+Which layer call records and publishes, on which rank, is decided in observer.py (StepObserver).
 Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K] selection, counted
-for every MSA layer (each selects min(K, visible blocks) blocks per token and index head, whatever
-the scores), on its device and without a host sync, so a CUDA graph records them (its padding
-tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
+for every MSA layer of the process (each selects min(K, visible blocks) blocks per token and index
+head, whatever the scores), on its device and without a host sync, so a CUDA graph records them
+(its padding tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
 chunk. Then, once per step, the 13 device totals and 3 timing totals (float64) are copied into the
 file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
 reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
@@ -248,21 +249,3 @@ def install() -> None:
     atexit.register(shutil.rmtree, _collector_directory, True)
     os.environ[DIR_ENV] = _collector_directory
     REGISTRY.register(MSACollector(_collector_directory))
-
-
-_step_stats: StepStats | None = None
-
-
-def step_stats(device: torch.device, model_name: str) -> StepStats:
-    """This process's StepStats (one per worker process, shared by its MSA layers)."""
-    global _step_stats
-    if _step_stats is None:
-        _step_stats = StepStats(device, model_name)
-    return _step_stats
-
-
-def publish_recorded() -> None:
-    """Publish what the MSA layers recorded so far, from host code that runs every step (the metadata
-    builder): a step replayed from a full CUDA graph records on the device but runs no Python."""
-    if _step_stats is not None:
-        _step_stats.publish()

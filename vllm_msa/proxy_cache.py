@@ -10,10 +10,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, MLAAttentionSpec
+from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadataBuilder
 
 
@@ -28,7 +28,7 @@ class ProxyKeyCacheBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's FlashMSAImpl")
+        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's MSAImpl")
 
     @staticmethod
     def get_builder_cls() -> type[FlashMSAMetadataBuilder]:
@@ -39,7 +39,7 @@ class ProxyKeyCacheBackend(AttentionBackend):
         return FlashMSABackend.supported_kv_cache_layouts()  # one KV cache group with its MSA layer
 
 
-class ProxyKeyCache(nn.Module, AttentionLayerBase):
+class ProxyKeyCache(nn.Module, compat.AttentionLayerBase):
     def __init__(self, num_key_heads: int, head_dim: int, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.num_key_heads = num_key_heads
@@ -47,10 +47,7 @@ class ProxyKeyCache(nn.Module, AttentionLayerBase):
         self.dtype = dtype
         self.prefix = prefix
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
-        forward_context = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        forward_context[prefix] = self
+        compat.register_attention_layer(prefix, self)
 
     def pages(self) -> torch.Tensor:
         """The bound cache as [num_pages, block_size, Hki, Dp]."""

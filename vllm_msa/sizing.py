@@ -44,9 +44,7 @@ class Layout:
 
 def load(model_dir: Path):
     """(text config as vLLM reads it, MSAModelConfig, is MiniMax-M3)."""
-    from vllm.transformers_utils.config import get_config
-
-    config = get_config(str(model_dir), trust_remote_code=False)
+    config = compat.load_hf_config(str(model_dir))
     text = config.get_text_config()
     if hasattr(text, "msa_config"):
         return text, MSAModelConfig.from_hf_config(text), False

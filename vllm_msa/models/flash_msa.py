@@ -62,9 +62,7 @@ class FlashMSAAttention(nn.Module):
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
-        metrics_layers = msa.metrics_layers(config.num_hidden_layers, extract_layer_index(prefix))
-        self.attn = MSAAttention(shape, d**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=metrics_layers if layout.counts_selections else 0)
+        self.attn = MSAAttention(layout, d**-0.5, cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

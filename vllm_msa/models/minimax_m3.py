@@ -18,12 +18,10 @@ import torch
 from torch import nn
 
 from kernels import ops
-from vllm import _custom_ops as vllm_ops
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer, RowParallelLinear
+from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
@@ -42,13 +40,13 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         super().__init__()
         if use_sequence_parallel:
             raise MSAConfigError("FLASH_MSA does not serve MiniMax-M3 with sequence parallelism")
-        msa = MSAModelConfig.from_minimax_m3(config)
-        shape = msa.layer_shape(config)
+        layout = MSAModelConfig.from_minimax_m3(config).rank_layout(config)  # the whole layer: M3 is served at TP 1
+        shape = layout.shape
         self.shape = shape
         self.q_size = shape.num_q_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.index_q_size = shape.num_index_heads * shape.index_head_dim
-        self.qkv_proj = MinimaxM3QKVParallelLinearWithIndexer(
+        self.qkv_proj = compat.m3_qkv_index_projection(
             config.hidden_size, shape.head_dim, shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads,
             shape.index_head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
@@ -63,8 +61,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             shape.head_dim, max_position=config.max_position_embeddings,
             rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
-        self.attn = MSAAttention(shape, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn",
-                                 metrics_layers=msa.metrics_layers(config.num_hidden_layers, layer_id))
+        self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
@@ -72,7 +69,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         q = qkv.new_empty((qkv.shape[0], self.q_size))
         index_q = qkv.new_empty((qkv.shape[0], self.index_q_size))
         # In place on k and index_k inside qkv; q and index_q written to their own buffers.
-        vllm_ops.fused_minimax_m3_qknorm_rope_kv_insert(
+        compat.m3_qknorm_rope(
             qkv, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache, positions,
             s.num_q_heads, s.num_kv_heads, self.rotary_emb.rotary_dim, self.q_norm.variance_epsilon,
             self.index_q_norm.weight, self.index_k_norm.weight, s.num_index_heads, q_out=q, index_q_out=index_q,
@@ -94,7 +91,7 @@ def _sparse_attention_class(cls: type[nn.Module]):
         _M3_MODEL_MODULE.MiniMaxM3SparseAttention = original
 
 
-class FlashMSAMiniMaxM3ForCausalLM(MiniMaxM3SparseForCausalLM):
+class FlashMSAMiniMaxM3ForCausalLM(_M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         if not flash_msa_selected(vllm_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
