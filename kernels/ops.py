@@ -19,9 +19,10 @@ else the PyTorch reference (kernels/reference.py):
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
                                                            sparse_attn.py (K/V cache contiguous)
 
-A batch of one phase (vLLM's metadata builder splits each step once) runs as it is. A mixed batch
-(tests, benchmarks, library callers) is split here by the same PagedBatch.split, once per batch,
-and its parts run into slices of one output, so both give the same results. A decode part never
+A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
+step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
+layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here the same way.
+A batch of one phase runs as it is. A decode part never
 syncs the host and has no data-dependent shapes: a full-graph decode step can be captured.
 """
 

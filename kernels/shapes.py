@@ -105,23 +105,25 @@ class PagedBatch:
         """(decode part, prefill part) of a mixed batch whose decode requests come first, as vLLM orders
         them (reorder_batch_threshold, split_decodes_and_prefills); None for a part without query tokens.
 
-        num_decode_requests: the requests before the first one with more than DECODE_QUERY_LEN new
-        tokens unless given (vLLM's builder knows it). The parts' tensors are slices of this batch's,
-        except the prefill part's query_start_loc, rebased to its first token by one device
-        subtraction; the host copy of query_start_loc gives the boundaries, so splitting never syncs
-        the device. Cached per batch: the layers of a step share the parts and what they compute
-        (token positions, tiles).
+        num_decode_requests: vLLM's builder gives its count; without it, the batch's split so far, else
+        the requests before the first one with more than DECODE_QUERY_LEN new tokens. The parts' tensors
+        are slices of this batch's, except the prefill part's query_start_loc, rebased to its first token
+        by one device subtraction; the host copy of query_start_loc gives the boundaries, so splitting
+        never syncs the device. Kept on the batch: the layers of a step share the parts and what they
+        compute (token positions, tiles).
         """
         if self.phase != "mixed":
             raise ValueError(f"split takes a mixed batch, got a {self.phase} one")
+        made = self.__dict__.get("_split")
+        if made is not None and num_decode_requests in (None, made[0]):
+            return made[1]
         if num_decode_requests is None:
             lens = self.query_lens_cpu
             num_decode_requests = next((r for r, n in enumerate(lens) if n > DECODE_QUERY_LEN), len(lens))
-        cache = self.__dict__.setdefault("_split", {})
-        if num_decode_requests not in cache:
-            cache[num_decode_requests] = (self._part(0, num_decode_requests, "decode"),
-                                          self._part(num_decode_requests, self.num_requests, "prefill"))
-        return cache[num_decode_requests]
+        parts = (self._part(0, num_decode_requests, "decode"),
+                 self._part(num_decode_requests, self.num_requests, "prefill"))
+        self.__dict__["_split"] = (num_decode_requests, parts)
+        return parts
 
     def _part(self, first: int, end: int, phase: Phase) -> "PagedBatch | None":
         """Requests [first, end) as a batch of their own, or None if they bring no query token."""

