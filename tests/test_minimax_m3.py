@@ -117,6 +117,14 @@ def test_m3_sparse_attention_config_maps_onto_msa_shape(schema):
     assert (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.heads_per_index_head) == (64, 4, 4, 16)
     assert (shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size) == (16, 1, 0, 128)
     assert msa.dense_layers == (0, 1, 2) and msa.sparse_layers(60) == list(range(3, 60))
+    # TP 8 on 4 KV heads: vLLM's fused M3 projection gives each rank 8 query heads and the index head of its
+    # replicated KV head (ranks 2h and 2h + 1 hold head h) and replicates the one index key.
+    layouts = [msa.rank_layout(production, 8, rank) for rank in range(8)]
+    assert {(s.num_q_heads, s.num_kv_heads, s.num_index_heads, s.num_index_key_heads)
+            for s in (layout.shape for layout in layouts)} == {(8, 1, 1, 1)}
+    assert [layout.index_heads for layout in layouts] == [range(r // 2, r // 2 + 1) for r in range(8)]
+    assert all(layout.index_key_heads == range(1) for layout in layouts)
+    assert [layout.counts_selections for layout in layouts] == [True, False] * 4  # one replica of each index head
 
 
 @pytest.mark.parametrize(
@@ -148,8 +156,8 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=text_config),
         cache_config=cache,
-        # vLLM's ParallelConfig refuses a TP size above the GPU count: only the two sizes are read
-        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=1),
+        # vLLM's ParallelConfig refuses a TP size above the GPU count: only the TP size is read
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size),
         attention_config=AttentionConfig(backend=backend),
     )
 
@@ -166,8 +174,10 @@ def test_m3_serving_check_acts_only_under_flash_msa(text_config):
     assert pinned.cache_config.block_size == 128
     with pytest.raises(MSAConfigError, match="--block-size 128"):
         check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", block_size=16))
-    with pytest.raises(MSAConfigError, match="--tensor-parallel-size 1"):
-        check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", tensor_parallel_size=2))
+    for tp in (2, 4):  # Hkv = Hi = 2: split at TP 2, replicated at TP 4
+        check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", tensor_parallel_size=tp))
+    with pytest.raises(MSAConfigError, match="num_attention_heads 32 is not divisible by --tensor-parallel-size 3"):
+        check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", tensor_parallel_size=3))
 
 
 def vllm_index_ops(monkeypatch):

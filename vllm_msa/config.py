@@ -202,13 +202,10 @@ def check_minimax_m3_serving_config(vllm_config) -> None:
     """
     if not flash_msa_selected(vllm_config):
         return
-    _check_cache(vllm_config, MSAModelConfig.from_minimax_m3(vllm_config.model_config.hf_text_config))
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise MSAConfigError(
-            "FLASH_MSA serves MiniMax-M3 with --tensor-parallel-size 1 and --pipeline-parallel-size 1 only so "
-            "far (data parallel, --data-parallel-size, is not limited)"
-        )
+    text_config = vllm_config.model_config.hf_text_config
+    msa = MSAModelConfig.from_minimax_m3(text_config)
+    _check_cache(vllm_config, msa)
+    msa.rank_layout(text_config, vllm_config.parallel_config.tensor_parallel_size)
 
 
 def _check_cache(vllm_config, msa: MSAModelConfig) -> None:

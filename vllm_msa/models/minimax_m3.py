@@ -40,18 +40,23 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         super().__init__()
         if use_sequence_parallel:
             raise MSAConfigError("FLASH_MSA does not serve MiniMax-M3 with sequence parallelism")
-        layout = MSAModelConfig.from_minimax_m3(config).rank_layout(config)  # the whole layer: M3 is served at TP 1
-        shape = layout.shape
+        msa = MSAModelConfig.from_minimax_m3(config)
+        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
+        # vLLM's fused projection splits q evenly and index_q like K/V (even split, or replication when the TP
+        # size exceeds the KV heads) and replicates the one index key: rank_layout's rule for this rank.
+        layout = msa.rank_layout(config, tp_size, tp_rank)
+        full, shape = msa.layer_shape(config), layout.shape
         self.shape = shape
         self.q_size = shape.num_q_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.index_q_size = shape.num_index_heads * shape.index_head_dim
         self.qkv_proj = compat.m3_qkv_index_projection(
-            config.hidden_size, shape.head_dim, shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads,
-            shape.index_head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+            config.hidden_size, full.head_dim, full.num_q_heads, full.num_kv_heads, full.num_index_heads,
+            full.index_head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=False, reduce_results=False,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        # Partial sums per rank: vLLM's decoder layer all-reduces them (fused with its next norm).
+        self.o_proj = RowParallelLinear(full.num_q_heads * full.head_dim, config.hidden_size, bias=False,
+                                        reduce_results=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         norm = _M3_MODEL_MODULE.MiniMAXGemmaRMSNorm
         self.q_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
         self.k_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
@@ -100,12 +105,13 @@ class FlashMSAMiniMaxM3ForCausalLM(_M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM):
         msa = MSAModelConfig.from_minimax_m3(text_config)  # fail before building anything
         with _sparse_attention_class(FlashMSAMiniMaxM3Attention):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        shape = msa.layer_shape(text_config)
-        device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
+        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
+        layout = msa.rank_layout(text_config, tp_size, tp_rank)
+        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
         logger.info(
-            "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init), "
+            "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
             "dense layers %s on FLASH_MSA's dense path (%s)",
             msa.sparse_layers(text_config.num_hidden_layers), ops.describe(device, dtype, shape),
-            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks, list(msa.dense_layers),
-            describe_dense(device, dtype, shape.head_dim),
+            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks, layout.describe(tp_size),
+            list(msa.dense_layers), describe_dense(device, dtype, shape.head_dim),
         )
