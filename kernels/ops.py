@@ -4,7 +4,7 @@ Data flow of one MSA layer (msa_attention), once the paged caches hold the step'
 
     batch --PagedBatch.split--> decode part: requests with one new token (first, as vLLM orders them)
                                 prefill part: prefill and chunked-prefill requests
-    per part:  index queries x paged proxy keys --proxy_block_scores--> block scores [T, Hi, blocks]
+    per part:  index queries x paged index keys --index_block_scores--> block scores [T, Hi, blocks]
                --top-k--> selected blocks [T, Hi, K]  (the part's rows of the step's one selection)
                --sparse_attention--> output [T, Hq, D]  (the part's rows of the step's one output)
 
@@ -13,7 +13,7 @@ CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the nex
 else the PyTorch reference (kernels/reference.py):
 
     step              decode part                          prefill part
-    proxy scores      proxy_scores.py                      proxy_scores_prefill.py, proxy_scores.py
+    index scores      index_scores.py                      index_scores_prefill.py, index_scores.py
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
@@ -58,16 +58,16 @@ def _on_hopper(t: torch.Tensor) -> bool:
     return t.is_cuda and _cute_available(t.device.index or 0)
 
 
-def _proxy_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
+def _index_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
     if _on_hopper(index_q):
-        from kernels.cute import proxy_scores, proxy_scores_prefill
+        from kernels.cute import index_scores, index_scores_prefill
 
         served = (index_q.dtype, shape.index_head_dim, shape.block_size)
-        if phase == "prefill" and proxy_scores_prefill.PrefillProxyScoreKernel.can_implement(*served):
-            return proxy_scores_prefill.prefill_proxy_block_scores
-        if proxy_scores.ProxyScoreKernel.can_implement(*served):
-            return proxy_scores.proxy_block_scores
-    return reference.proxy_block_scores
+        if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
+            return index_scores_prefill.prefill_index_block_scores
+        if index_scores.IndexScoreKernel.can_implement(*served):
+            return index_scores.index_block_scores
+    return reference.index_block_scores
 
 
 def _topk_step(scores: torch.Tensor) -> Callable:
@@ -104,9 +104,9 @@ def _parts(batch: PagedBatch) -> list[tuple[slice, PagedBatch]]:
     return rows
 
 
-def uses_cute_proxy_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
-    """Whether a CuTeDSL kernel computes the proxy scores of this phase's part for such index queries."""
-    return _proxy_scores_step(index_q, shape, phase) is not reference.proxy_block_scores
+def uses_cute_index_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
+    """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries."""
+    return _index_scores_step(index_q, shape, phase) is not reference.index_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
@@ -123,47 +123,47 @@ def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
     decode part does)."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # proxy scores' dtype
-    proxy = "CuTeDSL" if uses_cute_proxy_scores(probe, shape) else "PyTorch"
+    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # index scores' dtype
+    index = "CuTeDSL" if uses_cute_index_scores(probe, shape) else "PyTorch"
     topk = "CuTeDSL" if uses_cute_topk(torch.empty(0, device=device, dtype=score_dtype)) else "PyTorch"
     attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
-    return f"proxy scores: {proxy}, top-k: {topk}, sparse attention: {attention}"
+    return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
 
 
-def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, proxy_scores: bool = True) -> bool:
+def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, index_scores: bool = True) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
-    the reference top-k, torch ops) run without host syncs; the reference proxy scores and attention
+    the reference top-k, torch ops) run without host syncs; the reference index scores and attention
     loop over requests on the host."""
     probe = torch.empty(0, device=device, dtype=dtype)
     served = uses_cute_sparse_attention(probe, shape)
-    return served and (not proxy_scores or uses_cute_proxy_scores(probe, shape))
+    return served and (not index_scores or uses_cute_index_scores(probe, shape))
 
 
-def proxy_block_scores(
-    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+def index_block_scores(
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Causal max-pooled proxy block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
-    scores = [_proxy_scores_step(index_q, shape, part.phase)(index_q[rows], proxy_cache, part, shape)
+    """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
+    scores = [_index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
               for rows, part in _parts(batch)]
     if len(scores) == 1:
         return scores[0]
-    return torch.cat(scores) if scores else reference.proxy_block_scores(index_q, proxy_cache, batch, shape)
+    return torch.cat(scores) if scores else reference.index_block_scores(index_q, index_key_cache, batch, shape)
 
 
 def select_blocks(
     index_q: torch.Tensor,
-    proxy_cache: torch.Tensor,
+    index_key_cache: torch.Tensor,
     batch: PagedBatch,
     shape: MSAShape,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Proxy scores, then top-k: the selected blocks [T, Hi, K] int32 (batch: the proxy cache's block
+    """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (batch: the index-key cache's block
     table), written into out if given (e.g. a slice of a step's selection)."""
     selected = out if out is not None else torch.empty(
         (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
     )
     for rows, part in _parts(batch):
-        scores = _proxy_scores_step(index_q, shape, part.phase)(index_q[rows], proxy_cache, part, shape)
+        scores = _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
         _topk_step(scores)(scores, part.positions, shape, out=selected[rows])
     return selected
 
@@ -189,12 +189,12 @@ def msa_attention(
     q: torch.Tensor,
     index_q: torch.Tensor,
     kv_cache: torch.Tensor,
-    proxy_cache: torch.Tensor,
+    index_key_cache: torch.Tensor,
     batch: PagedBatch,
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks)."""
-    selected = select_blocks(index_q, proxy_cache, batch, shape)
+    selected = select_blocks(index_q, index_key_cache, batch, shape)
     return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected

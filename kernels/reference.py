@@ -2,12 +2,12 @@
 
 Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them), each for any
 batch (decode, prefill or a mix of both):
-  proxy_block_scores  index queries x paged proxy keys, causal, max-pooled per block
+  index_block_scores  index queries x paged index keys, causal, max-pooled per block
   topk_blocks         top-k blocks per (token, index head), local/init blocks forced, -1 padded
   sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
 
 Layouts (vLLM's, page size == block size B):
-  proxy_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
+  index_key_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
 Selections hold logical block numbers of the request (not page ids), ascending, -1 at the end.
 
 Work is vectorised per request and per chunk of query tokens (bounded memory); the only Python
@@ -38,10 +38,10 @@ def _request_pages(batch: PagedBatch, r: int, block_size: int) -> tuple[torch.Te
     return batch.block_table[r, :num_blocks].long(), num_blocks
 
 
-def proxy_block_scores(
-    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+def index_block_scores(
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Max-pooled causal proxy scores, [T, Hi, max_blocks]; -inf where a block has no visible key."""
+    """Max-pooled causal index scores, [T, Hi, max_blocks]; -inf where a block has no visible key."""
     num_tokens, max_blocks = batch.num_tokens, batch.block_table.shape[1]
     hki, group, bs = shape.num_index_key_heads, shape.index_heads_per_key_head, shape.block_size
     dtype = _compute_dtype(index_q)
@@ -51,7 +51,7 @@ def proxy_block_scores(
         pages, num_blocks = _request_pages(batch, r, bs)
         if num_blocks == 0:
             continue
-        keys = proxy_cache[pages].to(dtype).reshape(num_blocks * bs, hki, shape.index_head_dim)
+        keys = index_key_cache[pages].to(dtype).reshape(num_blocks * bs, hki, shape.index_head_dim)
         key_pos = torch.arange(num_blocks * bs, device=keys.device)
         q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]
         for c0, c1 in _query_chunks(q0, q1, shape.num_index_heads, num_blocks * bs):

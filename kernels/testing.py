@@ -19,20 +19,20 @@ class PagedCase:
     q: torch.Tensor  # [T, Hq, D]
     index_q: torch.Tensor  # [T, Hi, Dp]
     kv_cache: torch.Tensor  # [pages, 2, B, Hkv, D]
-    proxy_cache: torch.Tensor  # [pages, B, Hki, Dp]
+    index_key_cache: torch.Tensor  # [pages, B, Hki, Dp]
     scale: float
 
     def request_tokens(self, r: int):
-        """Request r's contiguous K, V, proxy keys [seq_len, heads, dim] and its query token slice."""
+        """Request r's contiguous K, V, index keys [seq_len, heads, dim] and its query token slice."""
         b = self.shape.block_size
         seq_len = self.batch.seq_lens_cpu[r]
         pages = self.batch.block_table[r, : -(-seq_len // b)].long()
         kv = self.kv_cache[pages]
         keys = kv[:, 0].reshape(-1, *kv.shape[-2:])[:seq_len]
         values = kv[:, 1].reshape(-1, *kv.shape[-2:])[:seq_len]
-        proxy = self.proxy_cache[pages].reshape(-1, *self.proxy_cache.shape[-2:])[:seq_len]
+        index_keys = self.index_key_cache[pages].reshape(-1, *self.index_key_cache.shape[-2:])[:seq_len]
         q0, q1 = self.batch.query_start_loc_cpu[r], self.batch.query_start_loc_cpu[r + 1]
-        return keys, values, proxy, slice(q0, q1)
+        return keys, values, index_keys, slice(q0, q1)
 
     def dense_causal(self, r: int) -> torch.Tensor:
         """Plain causal GQA attention of request r's queries over its whole context, [q_len, Hq, D] float64."""
@@ -67,7 +67,7 @@ def make_case(
     order = torch.randperm(num_pages, generator=g)
     table = torch.zeros(len(seq_lens), max(1, max(blocks)), dtype=torch.int32)
     kv_cache = torch.full((num_pages, 2, b, shape.num_kv_heads, shape.head_dim), float("nan"), dtype=dtype)
-    proxy_cache = torch.full(
+    index_key_cache = torch.full(
         (num_pages, b, shape.num_index_key_heads, shape.index_head_dim), float("nan"), dtype=dtype
     )
     used = 0
@@ -78,7 +78,7 @@ def make_case(
         for i, page in enumerate(pages.tolist()):
             n = min(b, seq_len - i * b)
             kv_cache[page, :, :n] = torch.randn(2, n, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-            proxy_cache[page, :n] = torch.randn(
+            index_key_cache[page, :n] = torch.randn(
                 n, shape.num_index_key_heads, shape.index_head_dim, generator=g
             ).to(dtype)
     num_tokens = sum(q_lens)
@@ -96,6 +96,6 @@ def make_case(
         q=q.to(device),
         index_q=index_q.to(device),
         kv_cache=kv_cache.to(device),
-        proxy_cache=proxy_cache.to(device),
+        index_key_cache=index_key_cache.to(device),
         scale=shape.head_dim**-0.5,
     )

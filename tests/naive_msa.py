@@ -10,10 +10,10 @@ import torch
 from kernels.shapes import MSAShape
 
 
-def naive_msa(q, index_q, keys, values, proxy_keys, q_positions, shape: MSAShape, scale: float):
+def naive_msa(q, index_q, keys, values, index_keys, q_positions, shape: MSAShape, scale: float):
     """One request with contiguous caches.
 
-    q [T, Hq, D], index_q [T, Hi, Dp], keys/values [N, Hkv, D], proxy_keys [N, Hki, Dp],
+    q [T, Hq, D], index_q [T, Hi, Dp], keys/values [N, Hkv, D], index_keys [N, Hki, Dp],
     q_positions: list of T positions. Returns (out [T, Hq, D], selected: list[T][Hi] of sorted block lists).
     """
     bs = shape.block_size
@@ -25,7 +25,7 @@ def naive_msa(q, index_q, keys, values, proxy_keys, q_positions, shape: MSAShape
             kh = h // shape.index_heads_per_key_head
             block_score = {}
             for j in range(pos + 1):
-                s = float(index_q[t, h].double() @ proxy_keys[j, kh].double())
+                s = float(index_q[t, h].double() @ index_keys[j, kh].double())
                 block_score[j // bs] = max(block_score.get(j // bs, -math.inf), s)
             qb = pos // bs
             forced = {b for b in block_score if b > qb - shape.local_blocks or b < shape.init_blocks}

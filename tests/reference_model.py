@@ -57,20 +57,20 @@ class ReferenceFlashMSA:
             ik = (x @ w[p + "index_k_proj.weight"].T).view(n, s.num_index_key_heads, s.index_head_dim)
             iq = _rope(_rms_norm(iq, w[p + "index_q_norm.weight"], c.rms_norm_eps), positions, c.rope_theta)
             ik = _rope(_rms_norm(ik, w[p + "index_k_norm.weight"], c.rms_norm_eps), positions, c.rope_theta)
-        else:  # dense: every block selected, the proxy branch does not matter
+        else:  # dense: every block selected, the index branch does not matter
             iq = x.new_zeros(n, s.num_index_heads, s.index_head_dim)
             ik = x.new_zeros(n, s.num_index_key_heads, s.index_head_dim)
         num_pages = -(-n // s.block_size)
         pad = num_pages * s.block_size - n
         kv_cache = torch.stack([k, v], dim=0)
         kv_cache = torch.nn.functional.pad(kv_cache, (0, 0, 0, 0, 0, pad)).view(2, num_pages, s.block_size, *k.shape[1:])
-        proxy = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
+        index_keys = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
         batch = PagedBatch(
             query_start_loc=torch.tensor([0, n]),
             seq_lens=torch.tensor([n]),
             block_table=torch.arange(num_pages)[None, :],
         )
-        out, _ = msa_attention(q, iq, kv_cache.transpose(0, 1), proxy, batch, shape, s.head_dim**-0.5)
+        out, _ = msa_attention(q, iq, kv_cache.transpose(0, 1), index_keys, batch, shape, s.head_dim**-0.5)
         return out.reshape(n, -1) @ w[p + "o_proj.weight"].T
 
     @torch.no_grad()

@@ -11,16 +11,16 @@ from kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from kernels.cute import proxy_scores, proxy_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
+from kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
 from kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
-from kernels.cute.proxy_scores import ProxyScoreKernel, ProxyScoreParams  # noqa: E402
-from kernels.cute.proxy_scores_prefill import PrefillProxyScoreKernel, PrefillProxyScoreParams  # noqa: E402
+from kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams  # noqa: E402
+from kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams  # noqa: E402
 from kernels.cute.runtime import compiled_kernel  # noqa: E402
 from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
 from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
 from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
 
-PROXY_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
+INDEX_SCORE_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
 
 
 @pytest.fixture
@@ -40,10 +40,10 @@ def compiles_and_caches(kernel_cls, params, cache_dir):
     return cached
 
 
-@pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
-def test_proxy_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
-    compiles_and_caches(ProxyScoreKernel, ProxyScoreParams(hi, hki, dp), sm90a)
-    compiles_and_caches(PrefillProxyScoreKernel, PrefillProxyScoreParams(hi, hki, dp), sm90a)
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_index_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
+    compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp), sm90a)
+    compiles_and_caches(PrefillIndexScoreKernel, PrefillIndexScoreParams(hi, hki, dp), sm90a)
 
 
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
@@ -99,7 +99,7 @@ def test_kernel_cache_replaces_an_unreadable_file(sm90a):
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Decode, prefill and mixed batches: both proxy kernels serve any batch (ops gives each part its phase's kernel).
+# Decode, prefill and mixed batches: both index-score kernels serve any batch (ops gives each part its phase's kernel).
 CASES = {
     "decode_ragged": ([1, 1, 1, 1], [1, 129, 4000, 8191]),
     "decode_long": ([1, 1], [131072, 70001]),
@@ -113,16 +113,16 @@ CASES = {
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", CASES)
-@pytest.mark.parametrize("hi, hki, dp", PROXY_PARAMS)
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_proxy_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
+def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
     shape = MSAShape(num_q_heads=hi * 2, num_kv_heads=1, head_dim=64,
                      num_index_heads=hi, num_index_key_heads=hki, index_head_dim=dp, topk_blocks=16)
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
-    launch = proxy_scores.proxy_block_scores if phase == "decode" else proxy_scores_prefill.prefill_proxy_block_scores
-    got = launch(case.index_q, case.proxy_cache, case.batch, shape)
-    want = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    launch = index_scores.index_block_scores if phase == "decode" else index_scores_prefill.prefill_index_block_scores
+    got = launch(case.index_q, case.index_key_cache, case.batch, shape)
+    want = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), finite)
     assert (got[~finite] == float("-inf")).all()
@@ -154,7 +154,7 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
     else:
         scores = torch.randn(size, device="cuda", generator=generator) * 100
     blocks = torch.arange(max_blocks, device="cuda")
-    scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the proxy kernels
+    scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the index-score kernels
     poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
     del poison  # the kernel's output reuses this memory: every slot must be written
     got = topk_blocks.topk_blocks(scores, positions, shape)
@@ -193,7 +193,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
                      index_head_dim=64, topk_blocks=16)
     q_lens, seq_lens = ATTENTION_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
-    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     selected = reference.topk_blocks(scores, case.batch.positions, shape)
     out = torch.full_like(case.q, float("nan"))
     if kernel == "per_token":
@@ -210,21 +210,21 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
 
 @gpu
 @pytest.mark.gpu
-def test_ops_dispatch_runs_the_cute_proxy_kernel_and_matches_the_reference():
+def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
     from kernels import ops
 
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
     for phase in ("decode", "prefill"):
-        assert ops.uses_cute_proxy_scores(case.index_q, shape, phase)
+        assert ops.uses_cute_index_scores(case.index_q, shape, phase)
         assert ops.uses_cute_sparse_attention(case.q, shape, phase)
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
-        "proxy scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
+        "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
     )
-    out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
+    out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape,
                                       case.scale, out=torch.full_like(case.q, float("nan")))
-    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected, want_sel)
     want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale)
@@ -256,7 +256,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     def layer():
         batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)  # fresh: computed in the graph
         batch.query_start_loc_cpu = list(range(padded + 1))  # the host's view, as vLLM's builder sets it
-        return ops.msa_attention(q, index_q, case.kv_cache, case.proxy_cache, batch, shape, case.scale, out=out)[1]
+        return ops.msa_attention(q, index_q, case.kv_cache, case.index_key_cache, batch, shape, case.scale, out=out)[1]
 
     layer()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -271,7 +271,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected[:n], want_sel)
     assert (selected[n:] == -1).all()

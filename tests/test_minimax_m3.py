@@ -266,7 +266,7 @@ def test_topk_blocks_equal_vllms_m3_indexer(case, monkeypatch):
                      init_blocks=init, block_size=128)
     for what, q_lens in (("prefill", query_lens), ("decode", [1] * len(seq_lens))):
         index_q, cache, batch = paged_index_inputs(seq_lens, q_lens, heads, dim, device, seed=len(what))
-        scores = ops.proxy_block_scores(index_q, cache.unsqueeze(2), batch, shape)  # FLASH_MSA's proxy pass
+        scores = ops.index_block_scores(index_q, cache.unsqueeze(2), batch, shape)  # FLASH_MSA's index pass
         ours = reference.topk_blocks(scores, batch.positions, shape)
         seq = batch.seq_lens
         if not CUDA:  # Triton 3.6's interpreter misreads bf16; the same (bf16-valued) inputs in float32

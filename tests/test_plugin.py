@@ -178,7 +178,7 @@ def test_sizing_reads_the_cache_specs_vllm_allocates(demo_model):
 
     text, msa, m3 = sizing.load(demo_model)
     assert not m3
-    # bf16: K/V 2 x Hkv 2 x D 32 x 2 B in 4 layers; proxy keys Dp 32 x 2 B in the 3 MSA layers
+    # bf16: K/V 2 x Hkv 2 x D 32 x 2 B in 4 layers; index keys Dp 32 x 2 B in the 3 MSA layers
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=1) == (4 * 256, 3 * 64)
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=2) == (4 * 128, 3 * 64)  # 1 KV head per rank
     report = sizing.size(demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16",

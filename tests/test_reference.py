@@ -8,7 +8,7 @@ import torch
 
 from kernels import ops
 from kernels.ops import msa_attention
-from kernels.reference import proxy_block_scores, sparse_attention, topk_blocks, write_paged
+from kernels.reference import index_block_scores, sparse_attention, topk_blocks, write_paged
 from kernels.shapes import MSAShape, PagedBatch
 from kernels.testing import make_case
 from tests.naive_msa import naive_msa
@@ -49,14 +49,14 @@ def test_reference_matches_token_by_token_spec(shape_name, batch_name):
     case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=seed)
     out = torch.full_like(case.q, float("nan"))
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale, out=out
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale, out=out
     )
     assert got.data_ptr() == out.data_ptr()
     for r in range(case.batch.num_requests):
-        keys, values, proxy, tokens = case.request_tokens(r)
+        keys, values, index_keys, tokens = case.request_tokens(r)
         positions = list(range(seq_lens[r] - q_lens[r], seq_lens[r]))
         want, want_sel = naive_msa(
-            case.q[tokens], case.index_q[tokens], keys, values, proxy, positions, shape, case.scale
+            case.q[tokens], case.index_q[tokens], keys, values, index_keys, positions, shape, case.scale
         )
         for t, per_head in enumerate(want_sel):
             for h, blocks in enumerate(per_head):
@@ -72,7 +72,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
     shape = _shape(block_size=block_size, topk_blocks=-(-max(seq_lens) // block_size), num_index_heads=4)
     case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=block_size)
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
     )
     for r, q_len in enumerate(q_lens):
         _, _, _, tokens = case.request_tokens(r)
@@ -88,7 +88,7 @@ def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
     shape = _shape(block_size=16, topk_blocks=2)
     case = make_case(shape, [1], [200], dtype=torch.float64, seed=3)
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
     )
     assert (got - case.dense_causal(0)).abs().max() > 1e-3
     # Poison every page the selection did not pick: the output must not change.
@@ -103,7 +103,7 @@ def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
 def test_selection_is_sorted_and_forces_local_blocks():
     shape = _shape(block_size=16, topk_blocks=4, local_blocks=2, init_blocks=1)
     case = make_case(shape, [3, 90], [250, 90], seed=5)
-    scores = proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    scores = index_block_scores(case.index_q, case.index_key_cache, case.batch, shape)
     positions = case.batch.positions
     sel = topk_blocks(scores, positions, shape)
     for t, pos in enumerate(positions.tolist()):
@@ -124,11 +124,11 @@ def test_float32_matches_float64_within_tolerance():
     shape = _shape(block_size=128, topk_blocks=2, num_index_heads=4)
     case = make_case(shape, [1, 40], [700, 300], dtype=torch.float64, seed=11)
     want, sel64 = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape, case.scale
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
     )
-    as32 = {k: getattr(case, k).float() for k in ("q", "index_q", "kv_cache", "proxy_cache")}
+    as32 = {k: getattr(case, k).float() for k in ("q", "index_q", "kv_cache", "index_key_cache")}
     got, sel32 = msa_attention(
-        as32["q"], as32["index_q"], as32["kv_cache"], as32["proxy_cache"], case.batch, shape, case.scale
+        as32["q"], as32["index_q"], as32["kv_cache"], as32["index_key_cache"], case.batch, shape, case.scale
     )
     assert torch.equal(sel32, sel64)
     assert got.dtype == torch.float32
@@ -253,20 +253,20 @@ def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately
     shape = _shape(num_index_heads=4, topk_blocks=2)
     q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
     case = make_case(shape, q_lens, seq_lens, dtype=dtype, seed=17)
-    caches = (case.kv_cache, case.proxy_cache)
+    caches = (case.kv_cache, case.index_key_cache)
     out = torch.full_like(case.q, float("nan"))
     got, selected = msa_attention(case.q, case.index_q, *caches, case.batch, shape, case.scale, out=out)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
-    scores = ops.proxy_block_scores(case.index_q, case.proxy_cache, case.batch, shape)
+    scores = ops.index_block_scores(case.index_q, case.index_key_cache, case.batch, shape)
     decode, prefill = case.batch.split()
     parts = ((decode, slice(0, 2)), (prefill, slice(2, case.batch.num_tokens)))
     for part, rows in parts:
         part_out, part_selected = msa_attention(case.q[rows], case.index_q[rows], *caches, part, shape, case.scale)
         assert torch.equal(got[rows], part_out) and torch.equal(selected[rows], part_selected)
-        assert torch.equal(scores[rows], ops.proxy_block_scores(case.index_q[rows], case.proxy_cache, part, shape))
+        assert torch.equal(scores[rows], ops.index_block_scores(case.index_q[rows], case.index_key_cache, part, shape))
     # out=: the selection of a mixed batch written into rows of a larger tensor, nothing outside them
     step = torch.full((case.batch.num_tokens + 2, shape.num_index_heads, shape.topk_blocks), 7777, dtype=torch.int32)
-    into = ops.select_blocks(case.index_q, case.proxy_cache, case.batch, shape, out=step[1:-1])
+    into = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape, out=step[1:-1])
     assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
     assert (step[[0, -1]] == 7777).all()
 

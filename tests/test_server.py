@@ -210,7 +210,7 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     blocks_per_token = total["vllm:msa_selected_blocks_total"] / total["vllm:msa_selections_total"]
     selection_s, attention_s = total["vllm:msa_selection_seconds_total"], total["vllm:msa_attention_seconds_total"]
     print(f"\nMSA metrics for a {prompt_len}+{max_tokens} token request: {blocks_per_token:.2f} selected blocks "
-          f"per token, {fraction_read:.3f} of the context read; proxy time share "
+          f"per token, {fraction_read:.3f} of the context read; selection time share "
           f"{selection_s / (selection_s + attention_s):.2f} over {total['vllm:msa_timed_layer_calls_total']:.0f} timed calls")
     assert 0.1 < fraction_read < 0.5 and 3.5 < blocks_per_token <= MSA["topk_blocks"]
     layer_calls = NUM_MSA_LAYERS * (max_tokens + 1)  # at least one prefill step, then a step per decoded token
@@ -223,8 +223,8 @@ def _logged_selections(log_path: Path, label: str) -> dict[tuple[str, int], list
     return {(m[1], int(m[2])): json.loads(m[3]) for m in re.finditer(pattern, log_path.read_text())}
 
 
-def test_selection_log_shows_a_prefix_cache_hit_reusing_the_proxy_keys(server, client):
-    """The second request hits the prefix cache for 11 blocks, so its selections read cached proxy keys."""
+def test_selection_log_shows_a_prefix_cache_hit_reusing_the_index_keys(server, client):
+    """The second request hits the prefix cache for 11 blocks, so its selections read cached index keys."""
     prompt, max_tokens = _random_token_ids(1500, seed=12), 8
     hits_before = _metric(server.url, "vllm:prefix_cache_hits_total")
     texts = {}

@@ -10,7 +10,7 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_tp2     as msa, tensor parallel 2 (Hkv 2, Hi 4: each rank 1 KV head, 2 index heads)
   msa_pp2     as msa, pipeline parallel 2 (layers 0-1 and 2-3)
   replicated  a demo variant with 1 KV head and 1 index head, tensor parallel 1 and 2: at TP 2 both
-              ranks hold the KV head, the index head and the proxy keys (vLLM's KV-head replication)
+              ranks hold the KV head, the index head and the index keys (vLLM's KV-head replication)
 Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
@@ -118,7 +118,7 @@ def msa_tokens(demo_model, prompts, concurrent_prompts):
 @pytest.fixture(scope="module")
 def msa_tight_tokens(demo_model, concurrent_prompts):
     """All concurrent prompts at once in a KV cache of 36 pages (4608 tokens): returns tokens, metrics."""
-    page_bytes = 128 * 2432  # fp32 K/V of 4 layers (2 heads x 32) + proxy keys of 3 MSA layers (32)
+    page_bytes = 128 * 2432  # fp32 K/V of 4 layers (2 heads x 32) + index keys of 3 MSA layers (32)
     with engine(demo_model, enable_prefix_caching=True, max_num_batched_tokens=512,
                 kv_cache_memory_bytes=36 * page_bytes, disable_log_stats=False) as llm:
         tokens = greedy(llm, concurrent_prompts)

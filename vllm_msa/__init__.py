@@ -3,18 +3,18 @@
 vLLM calls register() (entry point `vllm.general_plugins`) in each of its processes; on a vLLM outside
 the supported versions it stops there, naming them (compat.check_vllm_version).
 
-    compat        every touch of vLLM internals; the supported vLLM versions
-    registration  FLASH_MSA backend name, model architectures, their config check
-    config        a checkpoint's msa_config; what FLASH_MSA can serve
-    backend       FLASH_MSA backend, metadata builder, impls: FlashMSAImpl (dense layers), MSAImpl (proxy
-                  scores + top-k + sparse attention)
-    proxy_cache   paged proxy-key side cache
-    layer         MSAAttention: one MSA layer's caches and custom op
-    observer      the one hook on MSA layer calls: feeds the metrics and the selection log
-    metrics       Prometheus metrics of the sparse layers, worker -> API server /metrics
-    selection_log debug option: log the selected blocks of a marked request
-    sizing        `python -m vllm_msa.sizing`: context that fits per GPU for a checkpoint and parallel layout
-    models/       FlashMSAForCausalLM; MiniMax-M3 with its sparse layers on FLASH_MSA
+    compat          every touch of vLLM internals; the supported vLLM versions
+    registration    FLASH_MSA backend name, model architectures, their config check
+    config          a checkpoint's msa_config; what FLASH_MSA can serve
+    backend         FLASH_MSA backend, metadata builder, impls: FlashMSAImpl (dense layers), MSAImpl (index
+                    scores + top-k + sparse attention)
+    index_key_cache paged index-key side cache
+    layer           MSAAttention: one MSA layer's caches and custom op
+    observer        the one hook on MSA layer calls: feeds the metrics and the selection log
+    metrics         Prometheus metrics of the sparse layers, worker -> API server /metrics
+    selection_log   debug option: log the selected blocks of a marked request
+    sizing          `python -m vllm_msa.sizing`: context that fits per GPU for a checkpoint and parallel layout
+    models/         FlashMSAForCausalLM; MiniMax-M3 with its sparse layers on FLASH_MSA
 """
 
 

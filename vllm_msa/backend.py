@@ -2,7 +2,7 @@
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
-MSAImpl writes the new K/V and proxy keys into their paged caches, scores the proxy keys per
+MSAImpl writes the new K/V and index keys into their paged caches, scores the index keys per
 128-token block, picks the top-k blocks and runs attention over those blocks only (kernels.ops:
 CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
@@ -10,7 +10,7 @@ Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vL
 for the plain (dense) attention layers it routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
 CUDA, e.g. a checkpoint's dense_layers): vLLM's FlashAttention on the same paged K/V cache where vLLM
 has it (FA3 on Hopper), else the sparse attention path with every visible block selected. MSAImpl
-runs an MSA layer in three stages with their own signatures (the index query and keys, the proxy-key
+runs an MSA layer in three stages with their own signatures (the index query and keys, the index-key
 cache), so it has vLLM's base class for impls without the dense forward; MSAAttention (layer.py)
 builds it and runs the stages.
 
@@ -190,7 +190,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
             return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
-        return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), proxy_scores=False)
+        return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), index_scores=False)
 
     def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
         """A dense layer as MSA: one index head per KV head and every block selectable."""
@@ -243,7 +243,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
 class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     """One MSA layer's step on its paged caches, in three stages that MSAAttention runs in this order (the
-    step observer marks the stages apart): cache the step's K/V and proxy keys, select blocks, attend."""
+    step observer marks the stages apart): cache the step's K/V and index keys, select blocks, attend."""
 
     def __init__(self, shape: MSAShape, scale: float) -> None:
         self.shape = shape
@@ -260,21 +260,21 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         value: torch.Tensor,
         index_key: torch.Tensor,
         kv_cache: torch.Tensor,
-        proxy_cache: torch.Tensor,
+        index_key_cache: torch.Tensor,
         attn_metadata: FlashMSAMetadata,
-        proxy_metadata: FlashMSAMetadata,
+        index_metadata: FlashMSAMetadata,
     ) -> None:
-        """Store the step's K/V [T, Hkv, D] and proxy keys [T, Hki, Dp] at their cache slots."""
+        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
-        write_paged(proxy_cache, proxy_cache, proxy_metadata.slot_mapping, index_key, index_key)
+        write_paged(index_key_cache, index_key_cache, index_metadata.slot_mapping, index_key, index_key)
 
     def select(
-        self, index_query: torch.Tensor, proxy_cache: torch.Tensor, proxy_metadata: FlashMSAMetadata
+        self, index_query: torch.Tensor, index_key_cache: torch.Tensor, index_metadata: FlashMSAMetadata
     ) -> torch.Tensor:
-        """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: proxy scores, top-k."""
-        n = proxy_metadata.num_actual_tokens
-        return ops.select_blocks(index_query[:n], proxy_cache, proxy_metadata.batch, self.shape)
+        """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
+        n = index_metadata.num_actual_tokens
+        return ops.select_blocks(index_query[:n], index_key_cache, index_metadata.batch, self.shape)
 
     def attend(
         self,
@@ -318,7 +318,7 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
 def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
-    On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the proxy
+    On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the index-key
     cache passes itself as both caches, the same rows written twice. Elsewhere the reference.
     """
     if key_cache.is_cuda:

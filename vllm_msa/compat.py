@@ -124,7 +124,7 @@ def flash_attn_varlen(**kwargs) -> None:
     flash_attn_varlen_func(**kwargs)
 
 
-# Model layers (MSAAttention, ProxyKeyCache) ----------------------------------------------------------------------
+# Model layers (MSAAttention, IndexKeyCache) ----------------------------------------------------------------------
 
 # The base class the model runner finds attention-like layers by (binds their caches, asks their KV cache spec);
 # internal: vllm.model_executor.layers, not the backend API.

@@ -222,7 +222,7 @@ def _check_cache(vllm_config, msa: MSAModelConfig) -> None:
         )
     if cache.cache_dtype not in SERVED_CACHE_DTYPES:
         raise MSAConfigError(
-            f"FLASH_MSA keeps K/V and proxy keys in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not "
+            f"FLASH_MSA keeps K/V and index keys in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not "
             f"served; leave it out (or use one of {list(SERVED_CACHE_DTYPES)})"
         )
     cache.block_size = msa.block_size

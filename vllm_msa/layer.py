@@ -1,7 +1,7 @@
 """MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
-layer) and its proxy-key side cache, and runs its MSAImpl (backend.py) behind one opaque custom op
+layer) and its index-key side cache, and runs its MSAImpl (backend.py) behind one opaque custom op
 (`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
 splits its piecewise CUDA graphs there; breakable graphs break there). Each call runs the impl's
 three stages (cache writes, block selection, sparse attention) inside a step of the observer
@@ -21,7 +21,7 @@ from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, MSAImpl
 from vllm_msa.config import MSAConfigError, RankLayout
 from vllm_msa.observer import OBSERVER
-from vllm_msa.proxy_cache import ProxyKeyCache
+from vllm_msa.index_key_cache import IndexKeyCache
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
@@ -35,8 +35,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
         self.impl = MSAImpl(shape, scale)
-        self.proxy_cache = ProxyKeyCache(
-            shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.proxy_cache"
+        self.index_key_cache = IndexKeyCache(
+            shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.index_key_cache"
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         compat.register_attention_layer(prefix, self)
@@ -69,14 +69,14 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             output.zero_()
             return
         s, impl = self.shape, self.impl
-        metadata, proxy_metadata = attn_metadata[self.layer_name], attn_metadata[self.proxy_cache.prefix]
-        proxy_cache = self.proxy_cache.pages()
+        metadata, index_metadata = attn_metadata[self.layer_name], attn_metadata[self.index_key_cache.prefix]
+        index_key_cache = self.index_key_cache.pages()
         step = OBSERVER.layer_step(self.layer_name, q.device)
         impl.write_caches(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim),
-                          index_k.view(-1, s.num_index_key_heads, s.index_head_dim), self.kv_cache, proxy_cache,
-                          metadata, proxy_metadata)
+                          index_k.view(-1, s.num_index_key_heads, s.index_head_dim), self.kv_cache, index_key_cache,
+                          metadata, index_metadata)
         step.mark()  # the selection starts
-        selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), proxy_cache, proxy_metadata)
+        selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, index_metadata)
         step.mark()  # the attention starts
         impl.attend(q.view(-1, s.num_q_heads, s.head_dim), self.kv_cache, metadata, selected,
                     output.view(-1, s.num_q_heads, s.head_dim))

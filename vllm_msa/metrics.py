@@ -14,11 +14,11 @@ memory-mapped file there; the collector sums the files of live workers when /met
     vllm:msa_read_tokens_total      context tokens those selections let attention read
     vllm:msa_read_fraction          histogram, per selection: read tokens / context tokens
     vllm:msa_timed_layer_calls_total   MSA layer calls timed (one in SAMPLE_EVERY, eager calls only)
-    vllm:msa_selection_seconds_total   their proxy scores + top-k time
+    vllm:msa_selection_seconds_total   their index scores + top-k time
     vllm:msa_attention_seconds_total   their sparse attention time
 
 Mean selected blocks per token = selected_blocks / selections; fraction of context read =
-read_tokens / context_tokens; proxy time share = selection_seconds / (selection_seconds +
+read_tokens / context_tokens; selection time share = selection_seconds / (selection_seconds +
 attention_seconds). Timing uses CUDA events read back once the GPU has passed them (no sync; calls
 replayed from a CUDA graph are not timed), or the host clock on CPU.
 
@@ -58,8 +58,8 @@ COUNTERS = {
 }
 TIMING = {
     "timed_layer_calls": "FLASH_MSA layer calls timed (one in SAMPLE_EVERY eager calls).",
-    "selection_seconds": "Proxy scores + top-k time of the timed calls; divided by it plus "
-    "vllm:msa_attention_seconds_total: the proxy time share.",
+    "selection_seconds": "Index scores + top-k time of the timed calls; divided by it plus "
+    "vllm:msa_attention_seconds_total: the selection time share.",
     "attention_seconds": "Sparse attention time of the timed calls.",
 }
 SAMPLE_EVERY = 16

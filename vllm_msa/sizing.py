@@ -4,9 +4,9 @@
         [--tensor-parallel-size 8] [--pipeline-parallel-size 1] [--data-parallel-size 1]
         [--enable-expert-parallel] [--weight-dtype bf16|fp8] [--contexts 131072 1048576]
 
-Per rank (per pipeline stage, layers as vLLM assigns them): K/V and proxy-key bytes per token of
+Per rank (per pipeline stage, layers as vLLM assigns them): K/V and index-key bytes per token of
 context, summed over the rank's layers from the very KV
-cache specs FLASH_MSA gives vLLM (layer.kv_cache_spec, proxy_cache.proxy_cache_spec, for the rank's
+cache specs FLASH_MSA gives vLLM (layer.kv_cache_spec, index_key_cache.index_key_cache_spec, for the rank's
 heads from MSAModelConfig.rank_layout), so it cannot drift from what vLLM allocates; the weights the
 rank holds (counted from config.json: tensor parallel splits attention and MLP/expert matrices as vLLM's
 parallel linears do, expert parallel spreads whole experts over TP x DP ranks, data parallel replicates
@@ -25,7 +25,7 @@ import torch
 from vllm_msa import compat
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import kv_cache_spec
-from vllm_msa.proxy_cache import proxy_cache_spec
+from vllm_msa.index_key_cache import index_key_cache_spec
 
 GIB = 1 << 30
 
@@ -52,17 +52,17 @@ def load(model_dir: Path):
 
 
 def cache_bytes_per_token(text, msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
-    """(K/V, proxy keys) bytes per context token of one rank holding these layers (its TP rank 0)."""
+    """(K/V, index keys) bytes per context token of one rank holding these layers (its TP rank 0)."""
     dtype = torch.bfloat16
     layout = msa.rank_layout(text, tp, 0)
     shape = layout.shape
-    kv = proxy = 0
+    kv = index_keys = 0
     for layer in layers:
         kv += kv_cache_spec(shape, dtype).page_size_bytes // shape.block_size
         if msa.is_sparse(layer):
-            spec = proxy_cache_spec(shape.num_index_key_heads, shape.index_head_dim, shape.block_size, dtype)
-            proxy += spec.page_size_bytes // shape.block_size
-    return kv, proxy
+            spec = index_key_cache_spec(shape.num_index_key_heads, shape.index_head_dim, shape.block_size, dtype)
+            index_keys += spec.page_size_bytes // shape.block_size
+    return kv, index_keys
 
 
 def weight_bytes(text, msa: MSAModelConfig, layers: range, layout: Layout, m3: bool, weight_bytes_per: int,
@@ -110,16 +110,16 @@ def size(model_dir: Path, layout: Layout, gpu_gib: float, utilization: float, we
     lines = [f"{model_dir.name}: {text.num_hidden_layers} layers ({len(msa.sparse_layers(text.num_hidden_layers))} MSA), "
              f"{layout.describe()}, {weight_dtype} weights, bf16 caches, {gpu_gib:g} GiB x {utilization:g}",
              f"heads {msa.rank_layout(text, layout.tp, 0).describe(layout.tp)}",
-             "| stage | layers | K/V B/token | proxy keys B/token | weights GiB | cache GiB | tokens that fit | "
+             "| stage | layers | K/V B/token | index keys B/token | weights GiB | cache GiB | tokens that fit | "
              + " | ".join(f"sequences of {c}" for c in contexts) + " |",
              "|---" * (6 + len(contexts)) + "|---|"]
     for stage, layers in enumerate(compat.pipeline_layers(text.num_hidden_layers, layout.pp)):
-        kv, proxy = cache_bytes_per_token(text, msa, layers, layout.tp)
+        kv, index_keys = cache_bytes_per_token(text, msa, layers, layout.tp)
         weights = weight_bytes(text, msa, layers, layout, m3, per, stage == 0, stage == layout.pp - 1)
         cache = gpu_gib * GIB * utilization - weights
-        tokens = max(0, int(cache // (kv + proxy)))
+        tokens = max(0, int(cache // (kv + index_keys)))
         fits = [f"{tokens / c:.1f}" for c in contexts]
-        lines.append(f"| {stage} | {layers.start}-{layers.stop - 1} | {kv} | {proxy} | {weights / GIB:.1f} | "
+        lines.append(f"| {stage} | {layers.start}-{layers.stop - 1} | {kv} | {index_keys} | {weights / GIB:.1f} | "
                      f"{max(cache, 0) / GIB:.1f} | {tokens} | " + " | ".join(fits) + " |")
     if m3 and (layout.tp > 1 or layout.pp > 1):
         lines.append("(FLASH_MSA serves MiniMax-M3 at tensor and pipeline parallel size 1 so far: these are the "

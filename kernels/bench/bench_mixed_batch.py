@@ -3,7 +3,7 @@
     python kernels/bench/bench_mixed_batch.py   (on the GPU machine, CuTeDSL installed)
 
 Each case is one vLLM step: N decode requests (one new token each) and one request prefilling a chunk,
-decode requests first as vLLM's scheduler orders them. Columns: the layer (proxy scores, top-k, sparse
+decode requests first as vLLM's scheduler orders them. Columns: the layer (index scores, top-k, sparse
 attention) on the mixed step, as FLASH_MSA runs it: kernels.ops.msa_attention splits the step's batch
 once into its decode and prefill parts (PagedBatch.split, kept on the batch, so the timed calls reuse
 it as a step's layers do) and runs each part's kernels into its rows of one output; the same layer on

@@ -9,11 +9,11 @@ depends only on how many blocks are picked; prefill attention's on how many neig
 share (bench_prefill_attention.py measures that).
 
 decode:  one query token per sequence; sparse attention (sparse_attn.sparse_attention, split-K) bytes =
-         K/V of the selected blocks; MSA layer = proxy scores + top-k + sparse attention
+         K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
          (kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
-         FLOPs = 4 * tokens * Hq * D * keys read; proxy scores (proxy_scores_prefill) FLOPs = 2 * Hi *
+         FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
          Dp * tokens x keys of the visible blocks; MSA layer as for decode.
 """
 
@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels import ops
 from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
 from kernels.bench.timing import ceilings, graph_timed, timed
-from kernels.cute import proxy_scores_prefill, sparse_attn, sparse_attn_prefill
+from kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 
 
 def dense_attention(q, k, v):
@@ -59,9 +59,9 @@ def decode(bw):
     print("|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         for batch in DECODE_BATCHES:
-            pb, q, index_q, kv, proxy, selected = paged_problem([(context, 1)] * batch)
+            pb, q, index_q, kv, index_keys, selected = paged_problem([(context, 1)] * batch)
             sparse = lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE)  # noqa: E731
-            layer = lambda: ops.msa_attention(q, index_q, kv, proxy, pb, M3_SHAPE, SCALE)  # noqa: E731
+            layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE)  # noqa: E731
             t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
             t_layer_eager = timed(layer)
             nbytes = selected_kv_bytes(batch, context)
@@ -96,27 +96,27 @@ def decode_splits(bw):
 
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
-    print("| tokens | sparse attn ms | TFLOP/s | % matmul | proxy scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
+    print("| tokens | sparse attn ms | TFLOP/s | % matmul | index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
           "| sparse attn vs dense | MSA layer vs dense |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
-        pb, q, index_q, kv, proxy, selected = paged_problem([(context, context)])
+        pb, q, index_q, kv, index_keys, selected = paged_problem([(context, context)])
         t_sparse = timed(lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE),
                          iters=3)
         # upper bound: whole blocks
         keys = (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
         fl = 4 * keys * M3_SHAPE.head_dim
-        t_proxy = timed(lambda: proxy_scores_prefill.prefill_proxy_block_scores(index_q, proxy, pb, M3_SHAPE), iters=3)
+        t_index = timed(lambda: index_scores_prefill.prefill_index_block_scores(index_q, index_keys, pb, M3_SHAPE), iters=3)
         blocks = context // M3_SHAPE.block_size
-        proxy_fl = (2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size
+        index_fl = (2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size
                     * (blocks + 1) / 2)  # visible blocks
-        t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, proxy, pb, M3_SHAPE, SCALE), iters=2)
+        t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE), iters=2)
         dq = q.view(1, context, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
         dk = torch.randn(1, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         name, dense = dense_attention(dq, dk, torch.randn_like(dk))
         t_dense = timed(dense, iters=2)
         print(f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
-              f"{t_proxy * 1e3:.2f} | {proxy_fl / t_proxy / 1e12:.0f} | {t_layer * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | "
+              f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | "
               f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |")
 
 

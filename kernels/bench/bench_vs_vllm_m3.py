@@ -14,8 +14,8 @@ forced (L 1, I 0), bf16; decode batch 1/8/32 at 8K/32K/128K, prefill of one whol
 Each shape is one random paged problem (shuffled pages, NaN in every cache slot no request owns) that
 every side reads:
 
-  ours   kernels.ops.msa_attention (CuTeDSL proxy scores, top-k and sparse attention on Hopper);
-         parts: index = ops.select_blocks (proxy scores + top-k), attention = ops.sparse_attention.
+  ours   kernels.ops.msa_attention (CuTeDSL index scores, top-k and sparse attention on Hopper);
+         parts: index = ops.select_blocks (index scores + top-k), attention = ops.sparse_attention.
   vLLM   the Triton ops that vLLM's MiniMaxM3SparseAttention runs off Blackwell
          (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl), called as those impls call them:
            decode   common/ops/index_topk.minimax_m3_index_decode -> sparse_attn.minimax_m3_sparse_attn_decode
@@ -31,9 +31,9 @@ every side reads:
 Timing (kernels/bench/timing.py): decode in CUDA graphs for every side (host overhead removed), the
 eager layer time in brackets (vLLM runs M3's sparse attention eagerly, outside its graphs, as FLASH_MSA
 runs MSA); a shape whose capture fails is timed eagerly and says so. Prefill eagerly on every side (our
-prefill proxy pass builds its tile list on the host). Ratios are time ours / time theirs (< 1: ours
-faster). Decode GB/s counts the bytes the step must read (proxy keys of the whole context + K/V of the
-selected blocks; dense: all K/V), prefill TFLOP/s the FLOPs it must do (proxy: 2 Hi Dp per token and
+prefill index pass builds its tile list on the host). Ratios are time ours / time theirs (< 1: ours
+faster). Decode GB/s counts the bytes the step must read (index keys of the whole context + K/V of the
+selected blocks; dense: all K/V), prefill TFLOP/s the FLOPs it must do (index scores: 2 Hi Dp per token and
 visible key, whole blocks; sparse attention: 4 D per query head and selected key, whole blocks; dense:
 4 Hq D per causal query-key pair), against the copy bandwidth and bf16 matmul rate measured in the run.
 
@@ -128,7 +128,7 @@ def require_environment(smoke: bool) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_vs_vllm_m3: no CUDA device: run it on the GPU machine, or --smoke for the CPU check")
     probe = torch.empty(0, device="cuda", dtype=torch.bfloat16)
-    if not (ops.uses_cute_proxy_scores(probe, M3_SHAPE) and ops.uses_cute_sparse_attention(probe, M3_SHAPE)):
+    if not (ops.uses_cute_index_scores(probe, M3_SHAPE) and ops.uses_cute_sparse_attention(probe, M3_SHAPE)):
         raise SystemExit(f"bench_vs_vllm_m3: ours would not run its CuTeDSL kernels here "
                          f"({ops.describe(probe.device, probe.dtype, M3_SHAPE)}): an sm_90 GPU with CuTeDSL is needed")
 
@@ -149,14 +149,14 @@ def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: s
     owned[table.long()] = (torch.arange(blocks * b, device=device) < context).view(blocks, b)
     kv = randn(num_pages, 2, b, shape.num_kv_heads, shape.head_dim)
     kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
-    proxy = randn(num_pages, b, shape.num_index_key_heads, shape.index_head_dim)
-    proxy.masked_fill_(~owned[:, :, None, None], float("nan"))
+    index_keys = randn(num_pages, b, shape.num_index_key_heads, shape.index_head_dim)
+    index_keys.masked_fill_(~owned[:, :, None, None], float("nan"))
     tokens = batch * q_len
     paged = PagedBatch(query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device),
                        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device), block_table=table)
     return PagedCase(shape=shape, batch=paged, q=randn(tokens, shape.num_q_heads, shape.head_dim),
                      index_q=randn(tokens, shape.num_index_heads, shape.index_head_dim), kv_cache=kv,
-                     proxy_cache=proxy, scale=shape.head_dim**-0.5)
+                     index_key_cache=index_keys, scale=shape.head_dim**-0.5)
 
 
 # -------------------------------------------------------------------------------------------- sides
@@ -175,13 +175,13 @@ def our_steps(case: PagedCase) -> Steps:
     shape, batch = case.shape, case.batch
 
     def index():
-        return ops.select_blocks(case.index_q, case.proxy_cache, batch, shape)
+        return ops.select_blocks(case.index_q, case.index_key_cache, batch, shape)
 
     def attention(selected):
         return ops.sparse_attention(case.q, case.kv_cache, batch, selected, shape, case.scale)
 
     def layer():
-        return ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, batch, shape, case.scale)[0]
+        return ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, batch, shape, case.scale)[0]
 
     return Steps(index, attention, layer)
 
@@ -219,7 +219,7 @@ def vllm_caches(case: PagedCase, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     """M3's main K/V cache (logical [pages, Hkv, B, 2D] over NHD storage [pages, B, Hkv, 2D], as
     MiniMaxM3SparseBackend's shape and stride order give it) and index-key cache [pages, B, Dp]."""
     storage = torch.cat([case.kv_cache[:, 0], case.kv_cache[:, 1]], dim=-1).to(dtype)
-    return storage.permute(0, 2, 1, 3), case.proxy_cache[:, :, 0].to(dtype)
+    return storage.permute(0, 2, 1, 3), case.index_key_cache[:, :, 0].to(dtype)
 
 
 def vllm_steps(case: PagedCase, interpret: bool) -> Steps:

@@ -12,16 +12,16 @@ import time
 
 from kernels.bench.problems import M3_SHAPE as S
 from kernels.cute.combine import CombineKernel, CombineParams
-from kernels.cute.proxy_scores import ProxyScoreKernel, ProxyScoreParams
-from kernels.cute.proxy_scores_prefill import PrefillProxyScoreKernel, PrefillProxyScoreParams
+from kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from kernels.cute.runtime import compiled_kernel
 from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
 from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
 from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
 VARIANTS = [
-    (ProxyScoreKernel, ProxyScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
-    (PrefillProxyScoreKernel, PrefillProxyScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (IndexScoreKernel, IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (PrefillIndexScoreKernel, PrefillIndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (TopkBlocksKernel, TopkBlocksParams(S.topk_blocks, S.local_blocks, S.init_blocks)),
     (SparseAttentionKernel, SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim)),
     (SparseAttentionKernel,

@@ -7,9 +7,9 @@
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
 (kernels.cute.runtime.compiled_kernel) instead of compiling under the sanitizer. Each case runs
 kernels.ops.msa_attention on a random paged problem whose unowned cache slots hold NaN and checks
-the selection and output against the reference. ops splits each batch into its decode part (proxy
+the selection and output against the reference. ops splits each batch into its decode part (index
 scores: the decode kernel; top-k; sparse attention: split-K + combine) and its prefill part (the
-prefill proxy kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
+prefill index-score kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
 leaves); the demo shape's prefill part attends on the per-token kernel (the prefill attention kernel
 does not serve 2 query heads an index head).
 """
@@ -34,9 +34,9 @@ CASES = {  # name: (shape, q_lens, seq_lens)
 def main() -> None:
     for name, (shape, q_lens, seq_lens) in CASES.items():
         case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=len(name))
-        out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.proxy_cache, case.batch, shape,
+        out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape,
                                           case.scale, out=torch.full_like(case.q, float("nan")))
-        scores = reference.proxy_block_scores(case.index_q.float(), case.proxy_cache.float(), case.batch, shape)
+        scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
         want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
         want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape,
                                           case.scale)

@@ -4,13 +4,13 @@ kernels.ops picks them per phase of a step (its docstring narrates the data flow
 the contract of the kernels.reference function of its step.
 
 decode phase
-  proxy_scores.py          ProxyScoreKernel, proxy_block_scores: causal max-pooled proxy block scores,
+  index_scores.py          IndexScoreKernel, index_block_scores: causal max-pooled index block scores,
                            every token on its own (SIMT)
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
                            blocks, one token per CTA (mma.sync), split-K over the blocks
   combine.py               CombineKernel, combine_splits: merges those split-K partials
 prefill phase
-  proxy_scores_prefill.py  PrefillProxyScoreKernel, prefill_proxy_block_scores: the same scores on
+  index_scores_prefill.py  PrefillIndexScoreKernel, prefill_index_block_scores: the same scores on
                            64-token tiles of a request (TMA + warpgroup MMAs)
   sparse_attn_prefill.py   PrefillAttentionKernel, prefill_sparse_attention: tiles of consecutive tokens
                            read the union of their blocks once (TMA + warpgroup MMAs); the tiles it

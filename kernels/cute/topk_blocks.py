@@ -1,4 +1,4 @@
-"""CuTeDSL kernel: top-k block selection from the proxy block scores.
+"""CuTeDSL kernel: top-k block selection from the index block scores.
 
 Computes reference.topk_blocks: per (query token, index head) row, the forced blocks (the query's
 block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the

@@ -2,7 +2,7 @@
 
 Everything but attention is vLLM's Llama (embeddings, RMSNorm, SwiGLU MLP, LM head, weight loading).
 Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend.
-MSA layers add the proxy branch of ../shared/MSA_SPEC.md:
+MSA layers add the index branch of ../shared/MSA_SPEC.md:
     index_q = RoPE(RMSNorm(index_q_proj(x)))  [T, Hi, Dp]     index_k = RoPE(RMSNorm(index_k_proj(x)))  [T, Hki, Dp]
 and attend through MSAAttention (FLASH_MSA). On a GPU, shapes the CuTeDSL kernels do not serve run
 the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama plus
@@ -102,7 +102,7 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
             describe_dense(device, dtype, shape.head_dim),
         )
         probe = torch.empty(0, device=device, dtype=dtype)
-        kernels_serve = ops.uses_cute_proxy_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
+        kernels_serve = ops.uses_cute_index_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
         if probe.is_cuda and not kernels_serve:
             logger.warning(
                 "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
@@ -111,6 +111,6 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
             )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # Proxy weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.
+        # Index weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.
         params = dict(self.named_parameters())
         return super().load_weights((n, w) for n, w in weights if ".index_" not in n or n in params)

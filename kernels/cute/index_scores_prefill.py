@@ -1,11 +1,11 @@
-"""CuTeDSL kernel (sm_90a): proxy block scores for prefill chunks on warpgroup MMAs, proxy keys by TMA.
+"""CuTeDSL kernel (sm_90a): index block scores for prefill chunks on warpgroup MMAs, index keys by TMA.
 
-Computes reference.proxy_block_scores for the query tokens of a tile of one request: out[t, h, b]
-= max over visible keys j of block b of index_q[t, h] . proxy_key[j, h // (Hi / Hki)]. This is the
-quadratic part of an MSA prefill; the decode path (few tokens a request) is proxy_scores.py.
+Computes reference.index_block_scores for the query tokens of a tile of one request: out[t, h, b]
+= max over visible keys j of block b of index_q[t, h] . index_key[j, h // (Hi / Hki)]. This is the
+quadratic part of an MSA prefill; the decode path (few tokens a request) is index_scores.py.
 
-A CTA owns 64 consecutive query tokens of one request and W index heads that read the same proxy-key
-head (W = Hi / Hki, at most 4): one warpgroup per index head, 64 MMA rows each, so every proxy-key
+A CTA owns 64 consecutive query tokens of one request and W index heads that read the same index-key
+head (W = Hi / Hki, at most 4): one warpgroup per index head, 64 MMA rows each, so every index-key
 block it loads feeds W x 64 rows. It walks the request's blocks up to the tile's last visible one:
 TMA brings each block's 128 keys into a ring of `stages` pages, each warpgroup computes S = Q K^T
 (wgmma, both operands in shared memory), masks keys past each row's position (only the one or two
@@ -14,7 +14,7 @@ blocks on the tile's diagonal need it) and stores each row's max. The warpgroups
 Tiles are launched last first: the causal work grows along the request, so the longest tiles start
 in the first wave.
 
-Blocks past a row's position are not written: prefill_proxy_block_scores, its launcher, fills out
+Blocks past a row's position are not written: prefill_index_block_scores, its launcher, fills out
 with -inf first.
 """
 
@@ -39,7 +39,7 @@ SMEM_BYTES = 220 * 1024  # of the 227 KB a CTA may use: the rest for barriers an
 
 
 @dataclass(frozen=True)
-class PrefillProxyScoreParams:
+class PrefillIndexScoreParams:
     num_index_heads: int  # Hi
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
@@ -47,7 +47,7 @@ class PrefillProxyScoreParams:
 
     @property
     def heads_per_cta(self) -> int:
-        """W: index heads of one proxy-key head that share a CTA (one warpgroup each)."""
+        """W: index heads of one index-key head that share a CTA (one warpgroup each)."""
         group = self.num_index_heads // self.num_index_key_heads
         heads = max(w for w in (1, 2, 4) if group % w == 0)
         while heads > 1 and self._smem(heads, 2) > SMEM_BYTES:
@@ -56,15 +56,15 @@ class PrefillProxyScoreParams:
 
     @property
     def stages(self) -> int:
-        """Proxy-key pages in flight: as many as fit next to the queries, up to 4."""
+        """Index-key pages in flight: as many as fit next to the queries, up to 4."""
         return max(s for s in (1, 2, 3, 4) if s == 1 or self._smem(self.heads_per_cta, s) <= SMEM_BYTES)
 
     def _smem(self, heads: int, stages: int) -> int:
         return 2 * self.index_head_dim * (heads * PREFILL_TILE_TOKENS + stages * self.block_size)
 
 
-class PrefillProxyScoreKernel:
-    def __init__(self, params: PrefillProxyScoreParams):
+class PrefillIndexScoreKernel:
+    def __init__(self, params: PrefillIndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
         assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
@@ -75,16 +75,16 @@ class PrefillProxyScoreKernel:
         return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
 
     @classmethod
-    def compile(cls, params: PrefillProxyScoreParams):
+    def compile(cls, params: PrefillIndexScoreParams):
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: PrefillProxyScoreParams):
+    def fake_arguments(params: PrefillIndexScoreParams):
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (
             row_major(bf16, 3, align=16),  # index_q
-            row_major(bf16, 4, align=16),  # proxy_cache
+            row_major(bf16, 4, align=16),  # index_key_cache
             row_major(i32, 2),  # block_table
             row_major(i32, 1),  # token_position
             row_major(i32, 2),  # tiles
@@ -96,7 +96,7 @@ class PrefillProxyScoreKernel:
     def __call__(
         self,
         index_q: cute.Tensor,  # [T, Hi, Dp] bf16
-        proxy_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16
+        index_key_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16
         block_table: cute.Tensor,  # [R, max_blocks] int32
         token_position: cute.Tensor,  # [T] int32
         tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
@@ -111,7 +111,7 @@ class PrefillProxyScoreKernel:
         q_layout = cute.tile_to_shape(atom, (PREFILL_TILE_TOKENS, p.index_head_dim, p.heads_per_cta), (0, 1, 2))
         k_layout = cute.tile_to_shape(atom, (p.block_size, p.index_head_dim, p.stages), (0, 1, 2))
         # TMA over the whole cache, modes (key, d, key head, page): a (B, Dp) box is one page of one head.
-        keys = cute.make_tensor(proxy_cache.iterator, cute.select(proxy_cache.layout, mode=[1, 3, 2, 0]))
+        keys = cute.make_tensor(index_key_cache.iterator, cute.select(index_key_cache.layout, mode=[1, 3, 2, 0]))
         tma_atom, tma_keys = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), keys, cute.select(k_layout, mode=[0, 1]), (p.block_size, p.index_head_dim)
         )
@@ -252,23 +252,23 @@ class PrefillProxyScoreKernel:
 
     @cute.jit
     def load_page(self, tma_atom, tKg, tKs, full, page, stage, tx_bytes: cutlass.Constexpr):
-        """TMA one page of proxy keys into `stage`; arrival on that stage's barrier (warp 0 calls)."""
+        """TMA one page of index keys into `stage`; arrival on that stage's barrier (warp 0 calls)."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, tx_bytes)
         cute.copy(tma_atom, tKg[None, page], tKs[None, stage], tma_bar_ptr=full + stage)
 
 
-def prefill_proxy_block_scores(
-    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+def prefill_index_block_scores(
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on Hopper: each request's
+    """Same contract as kernels.reference.index_block_scores, for bf16 inputs on Hopper: each request's
     tokens in tiles of PREFILL_TILE_TOKENS."""
     out = torch.full((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), float("-inf"),
                      dtype=torch.float32, device=index_q.device)
-    params = PrefillProxyScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim,
+    params = PrefillIndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim,
                                      shape.block_size)
-    compiled_kernel(PrefillProxyScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True), as_cute(proxy_cache, rows16=True),
+    compiled_kernel(PrefillIndexScoreKernel, params)(
+        as_cute(index_q.contiguous(), rows16=True), as_cute(index_key_cache, rows16=True),
         as_cute(batch.block_table.to(torch.int32)), as_cute(batch.positions),
         as_cute(batch.request_tiles(PREFILL_TILE_TOKENS)), as_cute(out), current_stream(),
     )

@@ -1,8 +1,8 @@
-"""The paged proxy-key side cache of an MSA layer: one [Hki * Dp] index-key vector per token.
+"""The paged index-key side cache of an MSA layer: one [Hki * Dp] index-key vector per token.
 
 It is its own vLLM layer (its own KV cache spec, key-only) so the KV cache manager allocates it in
 the same KV cache group as the layer's K/V: same pages, same block table. Prefix caching,
-preemption and chunked prefill therefore keep proxy keys and K/V consistent without extra code.
+preemption and chunked prefill therefore keep index keys and K/V consistent without extra code.
 """
 
 from typing import ClassVar
@@ -17,18 +17,18 @@ from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadataBuilder
 
 
-class ProxyKeyCacheBackend(AttentionBackend):
+class IndexKeyCacheBackend(AttentionBackend):
     """Key-only pages [num_pages, 1, block_size, Hki * Dp]; metadata is the FLASH_MSA metadata."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
 
     @staticmethod
     def get_name() -> str:
-        return "FLASH_MSA_PROXY_KEYS"
+        return "FLASH_MSA_INDEX_KEYS"
 
     @staticmethod
     def get_impl_cls():
-        raise NotImplementedError("the proxy-key cache is written and read by its MSA layer's MSAImpl")
+        raise NotImplementedError("the index-key cache is written and read by its MSA layer's MSAImpl")
 
     @staticmethod
     def get_builder_cls() -> type[FlashMSAMetadataBuilder]:
@@ -39,7 +39,7 @@ class ProxyKeyCacheBackend(AttentionBackend):
         return FlashMSABackend.supported_kv_cache_layouts()  # one KV cache group with its MSA layer
 
 
-class ProxyKeyCache(nn.Module, compat.AttentionLayerBase):
+class IndexKeyCache(nn.Module, compat.AttentionLayerBase):
     def __init__(self, num_key_heads: int, head_dim: int, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.num_key_heads = num_key_heads
@@ -54,15 +54,15 @@ class ProxyKeyCache(nn.Module, compat.AttentionLayerBase):
         return self.kv_cache.squeeze(1).unflatten(-1, (self.num_key_heads, self.head_dim))
 
     def get_attn_backend(self) -> type[AttentionBackend]:
-        return ProxyKeyCacheBackend
+        return IndexKeyCacheBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return proxy_cache_spec(self.num_key_heads, self.head_dim, vllm_config.cache_config.block_size, self.dtype)
+        return index_key_cache_spec(self.num_key_heads, self.head_dim, vllm_config.cache_config.block_size, self.dtype)
 
     def forward(self) -> None:  # the cache is filled by its MSA layer
-        raise RuntimeError("ProxyKeyCache holds pages only")
+        raise RuntimeError("IndexKeyCache holds pages only")
 
 
-def proxy_cache_spec(num_key_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    """The proxy-key cache spec FLASH_MSA gives vLLM: MLAAttentionSpec budgets one vector per token (no V)."""
+def index_key_cache_spec(num_key_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The index-key cache spec FLASH_MSA gives vLLM: MLAAttentionSpec budgets one vector per token (no V)."""
     return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=num_key_heads * head_dim, dtype=dtype)

@@ -1,9 +1,9 @@
-"""Benchmark: CuTeDSL proxy block scores (decode) vs the PyTorch reference and the H200's copy bandwidth.
+"""Benchmark: CuTeDSL index block scores (decode) vs the PyTorch reference and the H200's copy bandwidth.
 
-    python kernels/bench/bench_proxy_scores.py   (on the GPU machine, CuTeDSL installed)
+    python kernels/bench/bench_index_scores.py   (on the GPU machine, CuTeDSL installed)
 
-M3 proxy shapes: Hi 4, Hki 1, Dp 128, bf16 proxy keys; one query token per sequence
-(kernels/cute/proxy_scores.py). Bytes per call = contexts * Dp * 2 (proxy keys) — the kernel's
+M3 index shapes: Hi 4, Hki 1, Dp 128, bf16 index keys; one query token per sequence
+(kernels/cute/index_scores.py). Bytes per call = contexts * Dp * 2 (index keys) — the kernel's
 required traffic.
 """
 
@@ -12,7 +12,7 @@ import time
 from kernels import reference
 from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, paged_problem
 from kernels.bench.timing import ceilings, timed
-from kernels.cute import proxy_scores
+from kernels.cute import index_scores
 
 
 def main():
@@ -22,9 +22,9 @@ def main():
     t0 = time.time()
     for context in CONTEXTS:
         for batch in DECODE_BATCHES:
-            pb, _, q, _, proxy, _ = paged_problem([(context, 1)] * batch)
-            t_cute = timed(lambda: proxy_scores.proxy_block_scores(q, proxy, pb, M3_SHAPE), iters=20)
-            t_ref = timed(lambda: reference.proxy_block_scores(q, proxy, pb, M3_SHAPE), iters=3)
+            pb, _, q, _, index_keys, _ = paged_problem([(context, 1)] * batch)
+            t_cute = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=20)
+            t_ref = timed(lambda: reference.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=3)
             nbytes = batch * context * M3_SHAPE.index_head_dim * 2
             print(f"{context:>8} {batch:>5} {t_cute * 1e6:>9.1f} {t_ref * 1e6:>9.1f} {t_ref / t_cute:>8.1f} "
                   f"{nbytes / t_cute / 1e9:>8.0f} {100 * nbytes / t_cute / bw:>8.0f}%")

@@ -1,14 +1,14 @@
-"""CuTeDSL kernel: causal max-pooled proxy block scores against the paged proxy-key cache.
+"""CuTeDSL kernel: causal max-pooled index block scores against the paged index-key cache.
 
-Computes reference.proxy_block_scores: out[t, h, b] = max over visible keys j of block b of
-index_q[t, h] . proxy_key[j, h // (Hi / Hki)], -inf for blocks with no visible key.
+Computes reference.index_block_scores: out[t, h, b] = max over visible keys j of block b of
+index_q[t, h] . index_key[j, h // (Hi / Hki)], -inf for blocks with no visible key.
 
 One CTA (128 threads) per (logical block, query token). Dp/8 neighbouring lanes share a key row,
 each loading 16 contiguous bytes, so a warp reads whole rows (coalesced); a thread keeps its 8-wide
 slice of every index query in registers, the lanes of a row add their partial dots with shuffles,
 each thread keeps a running max per head over its rows, and the CTA reduces the max with warp
 shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path: memory bound, each key page
-is read once per query token. proxy_block_scores launches it.
+is read once per query token. index_block_scores launches it.
 """
 
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ VEC = 8  # bf16 elements per 16-byte load
 
 
 @dataclass(frozen=True)
-class ProxyScoreParams:
+class IndexScoreParams:
     num_index_heads: int  # Hi
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
@@ -48,8 +48,8 @@ class ProxyScoreParams:
         return self.block_size // self.lanes_per_row
 
 
-class ProxyScoreKernel:
-    def __init__(self, params: ProxyScoreParams):
+class IndexScoreKernel:
+    def __init__(self, params: IndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
         assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
@@ -61,16 +61,16 @@ class ProxyScoreKernel:
                 and 32 % (index_head_dim // 8) == 0)
 
     @classmethod
-    def compile(cls, params: ProxyScoreParams):
+    def compile(cls, params: IndexScoreParams):
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: ProxyScoreParams):
+    def fake_arguments(params: IndexScoreParams):
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (
             row_major(bf16, 3, align=16),  # index_q
-            row_major(bf16, 4, align=16),  # proxy_cache
+            row_major(bf16, 4, align=16),  # index_key_cache
             row_major(i32, 2),  # block_table
             row_major(i32, 1),  # token_request
             row_major(i32, 1),  # token_position
@@ -82,7 +82,7 @@ class ProxyScoreKernel:
     def __call__(
         self,
         index_q: cute.Tensor,  # [T, Hi, Dp] bf16
-        proxy_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16
+        index_key_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16
         block_table: cute.Tensor,  # [R, max_blocks] int32
         token_request: cute.Tensor,  # [T] int32
         token_position: cute.Tensor,  # [T] int32
@@ -91,7 +91,7 @@ class ProxyScoreKernel:
     ):
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
-        self.kernel(index_q, proxy_cache, block_table, token_request, token_position, out).launch(
+        self.kernel(index_q, index_key_cache, block_table, token_request, token_position, out).launch(
             grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1], stream=stream
         )
 
@@ -99,7 +99,7 @@ class ProxyScoreKernel:
     def kernel(
         self,
         index_q: cute.Tensor,
-        proxy_cache: cute.Tensor,
+        index_key_cache: cute.Tensor,
         block_table: cute.Tensor,
         token_request: cute.Tensor,
         token_position: cute.Tensor,
@@ -133,7 +133,7 @@ class ProxyScoreKernel:
                     queries.append(q_frag.load().to(cutlass.Float32))
                 for step in cutlass.range_constexpr(p.block_size // p.rows_per_step):
                     row = tidx // p.lanes_per_row + step * p.rows_per_step
-                    k_chunk = cute.zipped_divide(proxy_cache[page, row, kh, None], (VEC,))[(None, col)]
+                    k_chunk = cute.zipped_divide(index_key_cache[page, row, kh, None], (VEC,))[(None, col)]
                     k_frag = cute.make_fragment_like(k_chunk)
                     cute.autovec_copy(k_chunk, k_frag)
                     k = k_frag.load().to(cutlass.Float32)
@@ -158,15 +158,15 @@ class ProxyScoreKernel:
                 out[token, tidx, block] = neg_inf
 
 
-def proxy_block_scores(
-    index_q: torch.Tensor, proxy_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+def index_block_scores(
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.proxy_block_scores, for bf16 inputs on Hopper: every token on its own."""
+    """Same contract as kernels.reference.index_block_scores, for bf16 inputs on Hopper: every token on its own."""
     out = torch.empty((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), dtype=torch.float32,
                       device=index_q.device)
-    params = ProxyScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
-    compiled_kernel(ProxyScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True), as_cute(proxy_cache, rows16=True),
+    params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
+    compiled_kernel(IndexScoreKernel, params)(
+        as_cute(index_q.contiguous(), rows16=True), as_cute(index_key_cache, rows16=True),
         as_cute(batch.block_table.to(torch.int32)), as_cute(batch.token_requests), as_cute(batch.positions),
         as_cute(out), current_stream(),
     )

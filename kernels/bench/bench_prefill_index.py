@@ -1,10 +1,10 @@
-"""Prefill proxy scores (kernels/cute/proxy_scores_prefill.py) at M3 shapes: time, TFLOP/s against the
+"""Prefill index scores (kernels/cute/index_scores_prefill.py) at M3 shapes: time, TFLOP/s against the
 bf16 matmul rate measured in the same run, and the whole MSA prefill layer (ops.msa_attention).
 
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_prefill_proxy.py [--modules M ...]
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_prefill_index.py [--modules M ...]
 
 One sequence of N new tokens, pages shuffled. FLOPs count the causal half of the tokens x keys
-scores (2 x Hi x Dp x N x (N + 128) / 2). --modules times the PrefillProxyScoreKernel of other
+scores (2 x Hi x Dp x N x (N + 128) / 2). --modules times the PrefillIndexScoreKernel of other
 kernel files of kernels/cute with the same parameters side by side (an earlier commit's file copied
 there under another name, say).
 """
@@ -20,15 +20,15 @@ from kernels.bench.timing import ceilings, timed
 from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 
 
-def proxy_time(module, index_q, proxy, batch) -> float:
+def index_score_time(module, index_q, index_keys, batch) -> float:
     """One kernel call per iteration on prepared arguments (the -inf fill and conversions excluded)."""
     source = importlib.import_module(f"kernels.cute.{module}")
-    params = source.PrefillProxyScoreParams(M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads,
+    params = source.PrefillIndexScoreParams(M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads,
                                             M3_SHAPE.index_head_dim)
-    kernel = compiled_kernel(source.PrefillProxyScoreKernel, params)
+    kernel = compiled_kernel(source.PrefillIndexScoreKernel, params)
     out = torch.full((batch.num_tokens, M3_SHAPE.num_index_heads, batch.block_table.shape[1]), float("-inf"),
                      device="cuda")
-    args = (as_cute(index_q, rows16=True), as_cute(proxy, rows16=True), as_cute(batch.block_table),
+    args = (as_cute(index_q, rows16=True), as_cute(index_keys, rows16=True), as_cute(batch.block_table),
             as_cute(batch.positions), as_cute(batch.request_tiles(source.PREFILL_TILE_TOKENS)), as_cute(out),
             current_stream())
     return timed(lambda: kernel(*args), iters=5)
@@ -38,19 +38,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modules", nargs="*", default=[], help="more kernel modules of kernels/cute to time")
     args = parser.parse_args()
-    modules = ["proxy_scores_prefill", *args.modules]
+    modules = ["index_scores_prefill", *args.modules]
     _, matmul = ceilings()
     print(f"bf16 matmul {matmul / 1e12:.0f} TFLOP/s\n")
     print("| tokens | " + " | ".join(f"{m} ms | TFLOP/s | % matmul" for m in modules) + " | MSA layer ms |")
     print("|---|" + "---|---|---|" * len(modules) + "---|")
     for n in CONTEXTS:
-        batch, q, index_q, kv, proxy, _ = paged_problem([(n, n)])
+        batch, q, index_q, kv, index_keys, _ = paged_problem([(n, n)])
         flops = 2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * n * (n + M3_SHAPE.block_size) / 2
         cells = []
         for module in modules:
-            t = proxy_time(module, index_q, proxy, batch)
+            t = index_score_time(module, index_q, index_keys, batch)
             cells.append(f"{t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / matmul:.0%}")
-        layer = timed(lambda: ops.msa_attention(q, index_q, kv, proxy, batch, M3_SHAPE, SCALE), iters=3)
+        layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, batch, M3_SHAPE, SCALE), iters=3)
         print(f"| {n} | " + " | ".join(cells) + f" | {layer * 1e3:.2f} |", flush=True)
 
 
