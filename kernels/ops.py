@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference
-from kernels.shapes import MSAShape, PagedBatch, Phase
+from msa_kernels import reference
+from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENT = "nvidia-cutlass-dsl==4.8.0"  # pyproject.toml's; the version vLLM 0.34 pins
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show it
@@ -60,7 +60,7 @@ def _on_hopper(t: torch.Tensor) -> bool:
 
 def _index_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
     if _on_hopper(index_q):
-        from kernels.cute import index_scores, index_scores_prefill
+        from msa_kernels.cute import index_scores, index_scores_prefill
 
         served = (index_q.dtype, shape.index_head_dim, shape.block_size)
         if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
@@ -72,7 +72,7 @@ def _index_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> 
 
 def _topk_step(scores: torch.Tensor) -> Callable:
     if _on_hopper(scores):
-        from kernels.cute import topk_blocks
+        from msa_kernels.cute import topk_blocks
 
         if topk_blocks.TopkBlocksKernel.can_implement(scores.dtype):
             return topk_blocks.topk_blocks
@@ -81,7 +81,7 @@ def _topk_step(scores: torch.Tensor) -> Callable:
 
 def _attention_step(q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
     if _on_hopper(q):
-        from kernels.cute import sparse_attn, sparse_attn_prefill
+        from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
         heads = (shape.num_q_heads, shape.num_index_heads)
         if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(

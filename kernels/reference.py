@@ -1,6 +1,6 @@
 """MSA in plain PyTorch on paged caches: the function every kernel must compute, and the CPU path.
 
-Three steps, as in ../shared/MSA_SPEC.md (kernels.ops.msa_attention composes them), each for any
+Three steps, as in ../shared/MSA_SPEC.md (msa_kernels.ops.msa_attention composes them), each for any
 batch (decode, prefill or a mix of both):
   index_block_scores  index queries x paged index keys, causal, max-pooled per block
   topk_blocks         top-k blocks per (token, index head), local/init blocks forced, -1 padded
@@ -16,7 +16,7 @@ loops are over requests and query chunks. Arithmetic runs in float32, or float64
 
 import torch
 
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 # Upper bound on elements of one [query chunk, heads, keys] score tile.
 _TILE_ELEMENTS = 1 << 23

@@ -4,7 +4,7 @@ Every MSA implementation (the PyTorch reference, the CuTeDSL kernels) takes thes
 callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
 
 A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split,
-decodes first as vLLM's scheduler orders them); kernels.ops picks each part's kernels by its phase.
+decodes first as vLLM's scheduler orders them); msa_kernels.ops picks each part's kernels by its phase.
 """
 
 from dataclasses import dataclass

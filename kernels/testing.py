@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 
 @dataclass

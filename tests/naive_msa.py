@@ -1,4 +1,4 @@
-"""MSA written as the spec reads, one token and one head at a time: the oracle for kernels.reference.
+"""MSA written as the spec reads, one token and one head at a time: the oracle for msa_kernels.reference.
 
 Slow on purpose; only for small shapes in tests. float64 throughout.
 """
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.shapes import MSAShape
+from msa_kernels.shapes import MSAShape
 
 
 def naive_msa(q, index_q, keys, values, index_keys, q_positions, shape: MSAShape, scale: float):

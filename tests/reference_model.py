@@ -2,7 +2,7 @@
 
 The oracle for the vLLM integration: greedy decoding re-runs the whole sequence each step (no KV
 cache), so nothing vLLM does (paging, prefix caching, chunking, batching) can leak into it. MSA
-layers use kernels.reference on a one-request batch with pages in order.
+layers use msa_kernels.reference on a one-request batch with pages in order.
 """
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kernels.ops import msa_attention
-from kernels.shapes import PagedBatch
+from msa_kernels.ops import msa_attention
+from msa_kernels.shapes import PagedBatch
 from vllm_msa.config import MSAModelConfig
 
 

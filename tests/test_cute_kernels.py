@@ -5,20 +5,20 @@ import os
 import pytest
 import torch
 
-from kernels import reference
-from kernels.shapes import MSAShape
-from kernels.testing import make_case
+from msa_kernels import reference
+from msa_kernels.shapes import MSAShape
+from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
-from kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
-from kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams  # noqa: E402
-from kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams  # noqa: E402
-from kernels.cute.runtime import compiled_kernel  # noqa: E402
-from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
-from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
-from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
+from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
+from msa_kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
+from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams  # noqa: E402
+from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams  # noqa: E402
+from msa_kernels.cute.runtime import compiled_kernel  # noqa: E402
+from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
+from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
+from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
 
 INDEX_SCORE_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
 
@@ -32,7 +32,7 @@ def sm90a(monkeypatch, tmp_path):
 
 
 def compiles_and_caches(kernel_cls, params, cache_dir):
-    """Compile through kernels.cute.runtime.compiled_kernel, then load the exported object file back."""
+    """Compile through msa_kernels.cute.runtime.compiled_kernel, then load the exported object file back."""
     compile_kernel = compiled_kernel.__wrapped__  # past the in-process cache
     assert compile_kernel(kernel_cls, params) is not None
     [cached] = cache_dir.glob(f"{kernel_cls.__name__}_*.o")
@@ -211,7 +211,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
 @gpu
 @pytest.mark.gpu
 def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
-    from kernels import ops
+    from msa_kernels import ops
 
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)
@@ -238,8 +238,8 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
 def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference():
     """What vLLM's full decode graphs do: capture the layer on persistent batch buffers once, then
     replay it after writing a smaller batch into them (padding requests: seq_len 0, no tokens)."""
-    from kernels import ops
-    from kernels.shapes import PagedBatch
+    from msa_kernels import ops
+    from msa_kernels.shapes import PagedBatch
 
     shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                      index_head_dim=128, topk_blocks=16)

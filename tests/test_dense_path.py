@@ -10,8 +10,8 @@ float64 on fresh random inputs, outputs NaN-poisoned first.
 import pytest
 import torch
 
-from kernels.shapes import MSAShape, PagedBatch
-from kernels.testing import make_case
+from msa_kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.testing import make_case
 from vllm_msa.backend import FlashMSAImpl, FlashMSAMetadata, dense_flash_attn_version
 
 # (q_lens, seq_lens): decode, prefill, chunked prefill, ragged mix (contexts off the 128 grid)
@@ -30,7 +30,7 @@ def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
 
 
 def _want(case) -> torch.Tensor:
-    """Dense causal attention of every request (kernels.testing), float64."""
+    """Dense causal attention of every request (msa_kernels.testing), float64."""
     return torch.cat([case.dense_causal(r) for r in range(case.batch.num_requests)])
 
 

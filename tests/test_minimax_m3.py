@@ -3,8 +3,8 @@
 CPU: the tiny checkpoint parses with vLLM's config parser; FLASH_MSA owns vLLM's M3 architecture;
 M3's sparse_attention_config maps onto MSAShape (and what FLASH_MSA cannot serve is refused); the
 serving check acts only under FLASH_MSA; vLLM's own M3 indexer kernels (Triton, run by Triton's
-interpreter) select the same blocks as kernels.reference on the same paged inputs.
-GPU (skipped without CUDA): the same selection check with real Triton against kernels.ops, and
+interpreter) select the same blocks as msa_kernels.reference on the same paged inputs.
+GPU (skipped without CUDA): the same selection check with real Triton against msa_kernels.ops, and
 vLLM's own M3 path vs the FLASH_MSA path, both with vLLM's CUDA graphs, on the M3-attention-shaped
 checkpoint (serve/build_m3_model.py --preset m3-attention; vLLM's own M3 engine died with an
 illegal memory access on the tiny one, 2026-12-02): model classes, weight coverage, greedy tokens
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels import ops, reference
+from msa_kernels.shapes import MSAShape, PagedBatch
 from serve.build_m3_model import PRESETS, build_m3_model, make_config
 from vllm_msa.config import MSAConfigError, MSAModelConfig, check_minimax_m3_serving_config
 

@@ -118,7 +118,7 @@ def test_msa_op_is_where_piecewise_cuda_graphs_split_like_vllm_attention_ops():
 def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
     from types import SimpleNamespace
 
-    from kernels.shapes import MSAShape
+    from msa_kernels.shapes import MSAShape
     from serve.build_demo_model import PRESETS, make_config
 
     hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))

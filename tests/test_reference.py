@@ -1,16 +1,16 @@
-"""kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
-(positions, tiles, the decode/prefill split) and kernels.ops on batches that mix decodes and prefills."""
+"""msa_kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
+(positions, tiles, the decode/prefill split) and msa_kernels.ops on batches that mix decodes and prefills."""
 
 import zlib
 
 import pytest
 import torch
 
-from kernels import ops
-from kernels.ops import msa_attention
-from kernels.reference import index_block_scores, sparse_attention, topk_blocks, write_paged
-from kernels.shapes import MSAShape, PagedBatch
-from kernels.testing import make_case
+from msa_kernels import ops
+from msa_kernels.ops import msa_attention
+from msa_kernels.reference import index_block_scores, sparse_attention, topk_blocks, write_paged
+from msa_kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.testing import make_case
 from tests.naive_msa import naive_msa
 
 

@@ -3,7 +3,7 @@
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
 MSAImpl writes the new K/V and index keys into their paged caches, scores the index keys per
-128-token block, picks the top-k blocks and runs attention over those blocks only (kernels.ops:
+128-token block, picks the top-k blocks and runs attention over those blocks only (msa_kernels.ops:
 CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
 Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vLLM builds (get_impl_cls)
@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels import ops, reference
-from kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
+from msa_kernels import ops, reference
+from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES
 from vllm_msa.observer import OBSERVER

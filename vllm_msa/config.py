@@ -15,7 +15,7 @@ serve stops `vllm serve` before any engine process starts, with a message naming
 
 from dataclasses import MISSING, dataclass, fields, replace
 
-from kernels.shapes import MSAShape
+from msa_kernels.shapes import MSAShape
 from vllm.logger import init_logger
 from vllm_msa import compat
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.library import Library
 
-from kernels.shapes import MSAShape
+from msa_kernels.shapes import MSAShape
 from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec

@@ -50,7 +50,7 @@ def summary():
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's kernels package
-from kernels.bench.timing import timed  # noqa: E402
+from msa_kernels.bench.timing import timed  # noqa: E402
 
 print(f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
       f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", flush=True)

@@ -9,10 +9,10 @@ required traffic.
 
 import time
 
-from kernels import reference
-from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, paged_problem
-from kernels.bench.timing import ceilings, timed
-from kernels.cute import index_scores
+from msa_kernels import reference
+from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, paged_problem
+from msa_kernels.bench.timing import ceilings, timed
+from msa_kernels.cute import index_scores
 
 
 def main():

@@ -4,7 +4,7 @@
 
 Each case is one vLLM step: N decode requests (one new token each) and one request prefilling a chunk,
 decode requests first as vLLM's scheduler orders them. Columns: the layer (index scores, top-k, sparse
-attention) on the mixed step, as FLASH_MSA runs it: kernels.ops.msa_attention splits the step's batch
+attention) on the mixed step, as FLASH_MSA runs it: msa_kernels.ops.msa_attention splits the step's batch
 once into its decode and prefill parts (PagedBatch.split, kept on the batch, so the timed calls reuse
 it as a step's layers do) and runs each part's kernels into its rows of one output; the same layer on
 the decode requests alone and on the prefill chunk alone; mixed / (decode alone + prefill alone): 1.0
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kernels import ops
-from kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
-from kernels.bench.timing import timed
+from msa_kernels import ops
+from msa_kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
+from msa_kernels.bench.timing import timed
 
 CASES = (  # (decode requests, their context, prefill chunk tokens, the chunk request's context)
     (32, 8192, 512, 8192),

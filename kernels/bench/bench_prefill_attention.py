@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, mean_union, prefill_problem
-from kernels.bench.timing import ceilings, timed
-from kernels.cute import sparse_attn, sparse_attn_prefill
+from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, mean_union, prefill_problem
+from msa_kernels.bench.timing import ceilings, timed
+from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
 TILE = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head  # tokens per prefill tile: 4 for M3 (64 / 16)
 

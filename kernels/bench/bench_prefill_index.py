@@ -14,15 +14,15 @@ import importlib
 
 import torch
 
-from kernels import ops
-from kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
-from kernels.bench.timing import ceilings, timed
-from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels import ops
+from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
+from msa_kernels.bench.timing import ceilings, timed
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 
 
 def index_score_time(module, index_q, index_keys, batch) -> float:
     """One kernel call per iteration on prepared arguments (the -inf fill and conversions excluded)."""
-    source = importlib.import_module(f"kernels.cute.{module}")
+    source = importlib.import_module(f"msa_kernels.cute.{module}")
     params = source.PrefillIndexScoreParams(M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads,
                                             M3_SHAPE.index_head_dim)
     kernel = compiled_kernel(source.PrefillIndexScoreKernel, params)

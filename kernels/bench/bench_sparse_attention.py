@@ -10,7 +10,7 @@ share (bench_prefill_attention.py measures that).
 
 decode:  one query token per sequence; sparse attention (sparse_attn.sparse_attention, split-K) bytes =
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
-         (kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
+         (msa_kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import ops
-from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
-from kernels.bench.timing import ceilings, graph_timed, timed
-from kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
+from msa_kernels import ops
+from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
+from msa_kernels.bench.timing import ceilings, graph_timed, timed
+from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 
 
 def dense_attention(q, k, v):

@@ -14,7 +14,7 @@ forced (L 1, I 0), bf16; decode batch 1/8/32 at 8K/32K/128K, prefill of one whol
 Each shape is one random paged problem (shuffled pages, NaN in every cache slot no request owns) that
 every side reads:
 
-  ours   kernels.ops.msa_attention (CuTeDSL index scores, top-k and sparse attention on Hopper);
+  ours   msa_kernels.ops.msa_attention (CuTeDSL index scores, top-k and sparse attention on Hopper);
          parts: index = ops.select_blocks (index scores + top-k), attention = ops.sparse_attention.
   vLLM   the Triton ops that vLLM's MiniMaxM3SparseAttention runs off Blackwell
          (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl), called as those impls call them:
@@ -42,7 +42,7 @@ fraction of (token, index head) whose selected block sets are identical) >= 0.99
 printed as MISMATCH when found, listed at the end and in the markdown, and the exit status is 1.
 
 --smoke: tiny shapes (Hq 8, Hkv = Hi 2, top-2, contexts that end mid-page) on the CPU: ours runs the
-PyTorch reference (kernels.ops dispatches there off-GPU), vLLM's Triton kernels run in Triton's
+PyTorch reference (msa_kernels.ops dispatches there off-GPU), vLLM's Triton kernels run in Triton's
 interpreter (TRITON_INTERPRET=1) on float32 copies of the same bf16 values (the interpreter misreads
 bf16), dense runs torch SDPA; the checks run, the timings do not (the table shows "-"). About 1.5 min
 on 2 CPU cores (the interpreter's top-k takes ~0.1 s per token and head), so not in the test suite.
@@ -61,12 +61,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
-from kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
-from kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
-from kernels.bench.timing import ceilings, graph_timed, timed
-from kernels.shapes import MSAShape, PagedBatch
-from kernels.testing import PagedCase
+from msa_kernels import ops
+from msa_kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
+from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
+from msa_kernels.bench.timing import ceilings, graph_timed, timed
+from msa_kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.testing import PagedCase
 
 SMOKE = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
                  index_head_dim=128, topk_blocks=2, local_blocks=1, init_blocks=0, block_size=128)
@@ -134,7 +134,7 @@ def require_environment(smoke: bool) -> None:
 
 
 def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: str, seed: int = 0) -> PagedCase:
-    """`batch` requests of `context` tokens whose last `q_len` are queries, as kernels.testing.make_case
+    """`batch` requests of `context` tokens whose last `q_len` are queries, as msa_kernels.testing.make_case
     builds them (shuffled pages, NaN in every slot no request owns, bf16), generated on the device:
     make_case fills page by page on the host, minutes at 128K x 32."""
     g = torch.Generator(device=device).manual_seed(seed)

@@ -3,21 +3,21 @@
     python kernels/bench/compile_time.py        (GPU machine; or CPU with CUTE_DSL_ARCH=sm_90a)
 
 Uses a fresh cache directory, so the first column is a cold compile and the second a later
-process's load of the exported object file (kernels.cute.runtime.compiled_kernel).
+process's load of the exported object file (msa_kernels.cute.runtime.compiled_kernel).
 """
 
 import os
 import tempfile
 import time
 
-from kernels.bench.problems import M3_SHAPE as S
-from kernels.cute.combine import CombineKernel, CombineParams
-from kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
-from kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
-from kernels.cute.runtime import compiled_kernel
-from kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
-from kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
-from kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
+from msa_kernels.bench.problems import M3_SHAPE as S
+from msa_kernels.cute.combine import CombineKernel, CombineParams
+from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
+from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
+from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
+from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
 VARIANTS = [
     (IndexScoreKernel, IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),

@@ -12,8 +12,8 @@ prefill_problem  one sequence whose tokens are all new, with selections whose ne
 
 import torch
 
-from kernels import reference
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels import reference
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 M3_SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
                     index_head_dim=128, topk_blocks=16)

@@ -5,8 +5,8 @@
     compute-sanitizer --tool racecheck python3 kernels/bench/sanitize.py
 
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
-(kernels.cute.runtime.compiled_kernel) instead of compiling under the sanitizer. Each case runs
-kernels.ops.msa_attention on a random paged problem whose unowned cache slots hold NaN and checks
+(msa_kernels.cute.runtime.compiled_kernel) instead of compiling under the sanitizer. Each case runs
+msa_kernels.ops.msa_attention on a random paged problem whose unowned cache slots hold NaN and checks
 the selection and output against the reference. ops splits each batch into its decode part (index
 scores: the decode kernel; top-k; sparse attention: split-K + combine) and its prefill part (the
 prefill index-score kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
@@ -16,10 +16,10 @@ does not serve 2 query heads an index head).
 
 import torch
 
-from kernels import ops, reference
-from kernels.bench.problems import M3_SHAPE as M3
-from kernels.shapes import MSAShape
-from kernels.testing import make_case
+from msa_kernels import ops, reference
+from msa_kernels.bench.problems import M3_SHAPE as M3
+from msa_kernels.shapes import MSAShape
+from msa_kernels.testing import make_case
 
 DEMO = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=4, num_index_key_heads=1,
                 index_head_dim=32, topk_blocks=4)

@@ -13,9 +13,9 @@ import functools
 
 import torch
 
-from kernels.bench.problems import M3_SHAPE, SCALE, mean_union, prefill_problem
-from kernels.bench.timing import timed
-from kernels.cute import sparse_attn, sparse_attn_prefill
+from msa_kernels.bench.problems import M3_SHAPE, SCALE, mean_union, prefill_problem
+from msa_kernels.bench.timing import timed
+from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
 TILE = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head
 

@@ -1,7 +1,7 @@
 """CuTeDSL kernels for Hopper (sm_90a): one kernel class a file, its launcher beside it.
 
-kernels.ops picks them per phase of a step (its docstring narrates the data flow); each launcher has
-the contract of the kernels.reference function of its step.
+msa_kernels.ops picks them per phase of a step (its docstring narrates the data flow); each launcher has
+the contract of the msa_kernels.reference function of its step.
 
 decode phase
   index_scores.py          IndexScoreKernel, index_block_scores: causal max-pooled index block scores,
@@ -26,7 +26,7 @@ shared
   fake.py                  symbolic tensors for compiling without a GPU
 
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with
-can_implement (classmethod: the dtype and shapes it serves; kernels.ops asks it), compile (classmethod,
+can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), compile (classmethod,
 on the symbolic tensors of fake_arguments), the @cute.jit __call__ (layouts, grid) and the @cute.kernel
 kernel, then its launcher. This file imports nothing; the kernel files import CuTeDSL.
 """

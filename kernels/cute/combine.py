@@ -13,8 +13,8 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 
 
 @dataclass(frozen=True)

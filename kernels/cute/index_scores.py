@@ -19,9 +19,9 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -161,7 +161,7 @@ class IndexScoreKernel:
 def index_block_scores(
     index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.index_block_scores, for bf16 inputs on Hopper: every token on its own."""
+    """Same contract as msa_kernels.reference.index_block_scores, for bf16 inputs on Hopper: every token on its own."""
     out = torch.empty((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), dtype=torch.float32,
                       device=index_q.device)
     params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)

@@ -28,10 +28,10 @@ import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, current_stream
-from kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -261,7 +261,7 @@ class PrefillIndexScoreKernel:
 def prefill_index_block_scores(
     index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.index_block_scores, for bf16 inputs on Hopper: each request's
+    """Same contract as msa_kernels.reference.index_block_scores, for bf16 inputs on Hopper: each request's
     tokens in tiles of PREFILL_TILE_TOKENS."""
     out = torch.full((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), float("-inf"),
                      dtype=torch.float32, device=index_q.device)

@@ -31,13 +31,13 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.combine import combine_splits
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream, num_sms
-from kernels.cute.warp_mma import (
+from msa_kernels.cute.combine import combine_splits
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream, num_sms
+from msa_kernels.cute.warp_mma import (
     as_a_operand, copy_rows, online_softmax_row, quad_reduce, row_copy, rows_cols, swizzled_rows,
 )
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -379,7 +379,7 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.sparse_attention, for bf16 inputs on Hopper: one token per CTA.
+    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: one token per CTA.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
     tile), chosen by num_splits unless given (benchmarks sweep it).

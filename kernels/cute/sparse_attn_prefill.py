@@ -28,13 +28,13 @@ import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
-from kernels.cute.sparse_attn import attend_per_token, attention_inputs
-from kernels.cute.warp_mma import (
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from msa_kernels.cute.sparse_attn import attend_per_token, attention_inputs
+from msa_kernels.cute.warp_mma import (
     acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt,
 )
-from kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.shapes import MSAShape, PagedBatch
 
 ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
@@ -406,7 +406,7 @@ def prefill_sparse_attention(
     max_union: int | None = None,
     stages: int = 1,
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
+    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
     each request's tiles of consecutive tokens, the gated per-token kernel on the tiles whose union of
     blocks exceeds max_union (default MAX_UNION x K per token; 10**6: none).
 

@@ -22,9 +22,9 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels.cute.fake import row_major
-from kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
-from kernels.shapes import MSAShape
+from msa_kernels.cute.fake import row_major
+from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from msa_kernels.shapes import MSAShape
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -187,7 +187,7 @@ class TopkBlocksKernel:
 def topk_blocks(
     scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.topk_blocks, for fp32 scores on Hopper; ties go to the lower
+    """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores on Hopper; ties go to the lower
     block number. out: [T, Hi, K] int32 to write (a slice of a step's selection), else a new tensor."""
     num_tokens, num_heads, _ = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
-from kernels import ops
+from msa_kernels import ops
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig

@@ -5,7 +5,7 @@ MiniMaxM3SparseForCausalLM (also the text backbone of MiniMaxM3SparseForConditio
 With `--attention-backend FLASH_MSA` every sparse layer (sparse_attention_freq != 0) is a
 FlashMSAMiniMaxM3Attention: vLLM's fused [q | k | v | index_q | index_k] projection, its fused
 Gemma-RMSNorm + partial-NeoX-RoPE op (without its cache insert), then MSAAttention (index scores,
-top-k, sparse attention of kernels.ops on FLASH_MSA's K/V and index-key caches) and vLLM's o_proj.
+top-k, sparse attention of msa_kernels.ops on FLASH_MSA's K/V and index-key caches) and vLLM's o_proj.
 Parameter names equal vLLM's, so vLLM's M3 weight loading is used unchanged. Dense layers, MoE,
 norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
 CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA graphs stay on
@@ -17,7 +17,7 @@ import contextlib
 import torch
 from torch import nn
 
-from kernels import ops
+from msa_kernels import ops
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
