@@ -39,7 +39,11 @@ def demo_server(log_dir: Path, flags: list[str], env: dict[str, str] | None = No
     log = open(log_path, "w")
     proc = subprocess.Popen(
         ["bash", "serve/demo.sh", "--port", str(port), *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | (env or {}),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ | (env or {}),
     )
     try:
         try:

@@ -95,7 +95,9 @@ class FlashMSAMetadata(AttentionMetadata):
     num_actual_tokens: int
     max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
     max_seq_len: int
-    dense_num_splits: int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
+    dense_num_splits: (
+        int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
+    )
     request_keys: list[int] | None = None  # per request row, its key in the selection log (None: the row itself)
 
 
@@ -225,10 +227,18 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size)
         if version is not None:
             compat.flash_attn_varlen(  # K and V are strided views of the cache pages, as FA reads them
-                q=query[:n], k=kv_cache[:, 0], v=kv_cache[:, 1], out=output[:n],
-                cu_seqlens_q=batch.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-                seqused_k=batch.seq_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=self.scale,
-                causal=True, block_table=batch.block_table, fa_version=version,
+                q=query[:n],
+                k=kv_cache[:, 0],
+                v=kv_cache[:, 1],
+                out=output[:n],
+                cu_seqlens_q=batch.query_start_loc,
+                max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=batch.seq_lens,
+                max_seqlen_k=attn_metadata.max_seq_len,
+                softmax_scale=self.scale,
+                causal=True,
+                block_table=batch.block_table,
+                fa_version=version,
                 num_splits=attn_metadata.dense_num_splits,
             )
             return output

@@ -173,8 +173,9 @@ def register_custom_op(library: torch.library.Library, name: str, func, fake_imp
     vllm.utils.torch_utils.direct_register_custom_op, which dispatches without torch.library.custom_op's overhead)."""
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl,
-                              target_lib=library)
+    direct_register_custom_op(
+        op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl, target_lib=library
+    )
 
 
 def eager_break_during_capture(func):
@@ -242,9 +243,14 @@ def m3_sparse_fields(text_config) -> dict:
     raw = getattr(text_config, "sparse_attention_config", None)
     num_layers = text_config.num_hidden_layers
     if isinstance(raw, dict):
-        names = dict(block_size="sparse_block_size", topk_blocks="sparse_topk_blocks",
-                     num_index_heads="sparse_num_index_heads", index_head_dim="sparse_index_dim",
-                     local_blocks="sparse_local_block", score_type="sparse_score_type")
+        names = dict(
+            block_size="sparse_block_size",
+            topk_blocks="sparse_topk_blocks",
+            num_index_heads="sparse_num_index_heads",
+            index_head_dim="sparse_index_dim",
+            local_blocks="sparse_local_block",
+            score_type="sparse_score_type",
+        )
         freq = raw.get("sparse_attention_freq") or []
         return dict(
             source="sparse_attention_config",
@@ -258,15 +264,23 @@ def m3_sparse_fields(text_config) -> dict:
             init_blocks=raw.get("sparse_init_block", 0),
             score_type=raw.get("sparse_score_type", "max"),
             sparse_layers=[i < len(freq) and freq[i] != 0 for i in range(num_layers)],
-            rope_parameters={"rope_theta": text_config.rope_theta,
-                             "partial_rotary_factor": text_config.partial_rotary_factor},
+            rope_parameters={
+                "rope_theta": text_config.rope_theta,
+                "partial_rotary_factor": text_config.partial_rotary_factor,
+            },
         )
     if hasattr(text_config, "index_topk_blocks"):
         layer_types = text_config.layer_types or []
         return dict(
             source="text_config",
-            names=dict(block_size="index_block_size", topk_blocks="index_topk_blocks", num_index_heads="index_n_heads",
-                       index_head_dim="index_head_dim", local_blocks="index_local_blocks", score_type="score type"),
+            names=dict(
+                block_size="index_block_size",
+                topk_blocks="index_topk_blocks",
+                num_index_heads="index_n_heads",
+                index_head_dim="index_head_dim",
+                local_blocks="index_local_blocks",
+                score_type="score type",
+            ),
             missing=[],
             block_size=text_config.index_block_size,
             topk_blocks=text_config.index_topk_blocks,

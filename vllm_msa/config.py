@@ -122,10 +122,17 @@ class MSAModelConfig:
             )
         kv = _rank_heads(full.num_kv_heads, tp_size, tp_rank, "num_key_value_heads")
         index = _rank_heads(full.num_index_heads, tp_size, tp_rank, "the index heads (num_index_heads)")
-        index_keys = _rank_heads(full.num_index_key_heads, tp_size, tp_rank, "the index key heads (num_index_key_heads)")
+        index_keys = _rank_heads(
+            full.num_index_key_heads, tp_size, tp_rank, "the index key heads (num_index_key_heads)"
+        )
         try:
-            shape = replace(full, num_q_heads=full.num_q_heads // tp_size, num_kv_heads=len(kv),
-                            num_index_heads=len(index), num_index_key_heads=len(index_keys))
+            shape = replace(
+                full,
+                num_q_heads=full.num_q_heads // tp_size,
+                num_kv_heads=len(kv),
+                num_index_heads=len(index),
+                num_index_key_heads=len(index_keys),
+            )
         except ValueError as e:
             raise MSAConfigError(f"msa_config cannot be split over --tensor-parallel-size {tp_size}: {e}") from None
         replicas = max(1, tp_size // full.num_index_heads)  # ranks holding the same index heads
@@ -162,8 +169,10 @@ class RankLayout:
 
     def describe(self, tp_size: int) -> str:
         s = self.shape
-        return (f"per rank of {tp_size}: Hq {s.num_q_heads}, Hkv {s.num_kv_heads}, index heads {s.num_index_heads}, "
-                f"index key heads {s.num_index_key_heads}")
+        return (
+            f"per rank of {tp_size}: Hq {s.num_q_heads}, Hkv {s.num_kv_heads}, index heads {s.num_index_heads}, "
+            f"index key heads {s.num_index_key_heads}"
+        )
 
 
 def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
@@ -173,9 +182,7 @@ def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
         per_rank = total // tp_size
         return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
     if tp_size % total:
-        raise MSAConfigError(
-            f"--tensor-parallel-size {tp_size} is neither a divisor nor a multiple of {what} {total}"
-        )
+        raise MSAConfigError(f"--tensor-parallel-size {tp_size} is neither a divisor nor a multiple of {what} {total}")
     head = tp_rank // (tp_size // total)
     return range(head, head + 1)
 

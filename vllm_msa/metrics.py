@@ -218,8 +218,10 @@ class MSACollector:
         self.directory = directory
 
     def collect(self):
-        counters = {name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"])
-                    for name, doc in (COUNTERS | TIMING).items()}
+        counters = {
+            name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"])
+            for name, doc in (COUNTERS | TIMING).items()
+        }
         fraction = HistogramMetricFamily(
             "vllm:msa_read_fraction",
             "Per FLASH_MSA selection: context tokens read / visible context tokens.",

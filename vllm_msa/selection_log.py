@@ -71,7 +71,10 @@ class SelectionLog(LogitsProcessor):
 
 
 def log_selection(
-    layer_name: str, selected: torch.Tensor, query_start_loc: list[int], seq_lens: torch.Tensor,
+    layer_name: str,
+    selected: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: torch.Tensor,
     request_keys: list[int] | None,
 ) -> None:
     """Log the marked rows' last-token selections; selected [T, Hi, K], -1 padded. request_keys: per batch row,

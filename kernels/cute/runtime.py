@@ -89,9 +89,7 @@ def as_cute(t: torch.Tensor, rows16: bool = False):
 
     if rows16 and (t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1])):
         raise ValueError(f"CuTeDSL kernel needs 16-byte aligned rows, got strides {t.stride()}")
-    return from_dlpack(t, assumed_align=16 if rows16 else t.element_size()).mark_layout_dynamic(
-        leading_dim=t.dim() - 1
-    )
+    return from_dlpack(t, assumed_align=16 if rows16 else t.element_size()).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 def current_stream():

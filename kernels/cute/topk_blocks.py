@@ -194,7 +194,9 @@ def topk_blocks(
     if num_tokens:
         params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
         compiled_kernel(TopkBlocksKernel, params)(
-            as_cute(scores.contiguous().view(torch.int32)), as_cute(positions.to(torch.int32)), as_cute(result),
+            as_cute(scores.contiguous().view(torch.int32)),
+            as_cute(positions.to(torch.int32)),
+            as_cute(result),
             current_stream(),
         )
     return copy_into(result, out)
