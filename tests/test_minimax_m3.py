@@ -92,9 +92,10 @@ def test_checkpoint_parses_as_minimax_m3_and_names_every_layer_part(m3_model, te
 
 
 def test_flash_msa_owns_vllms_m3_architecture_and_its_config_hook():
-    import vllm_msa
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    import vllm_msa
 
     vllm_msa.register()
     vllm_msa.register()  # vLLM loads plugins more than once per process: the hooks chain once

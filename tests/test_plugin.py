@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flash_msa_resolves_like_a_builtin_backend_and_unknown_names_still_fail():
-    import vllm_msa
     from vllm.config.attention import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_msa
     from vllm_msa.backend import FlashMSABackend
 
     vllm_msa.register()
@@ -29,8 +30,9 @@ def test_flash_msa_resolves_like_a_builtin_backend_and_unknown_names_still_fail(
 
 
 def test_config_with_flash_msa_unpickles_in_a_process_that_never_loaded_the_plugin():
-    import vllm_msa
     from vllm.config.attention import AttentionConfig
+
+    import vllm_msa
 
     vllm_msa.register()
     payload = pickle.dumps(AttentionConfig(backend="FLASH_MSA"))

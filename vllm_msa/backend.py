@@ -28,13 +28,6 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
-
-from msa_kernels import ops, reference
-from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
-from vllm_msa import compat
-from vllm_msa.config import SERVED_CACHE_DTYPES
-from vllm_msa.observer import OBSERVER
-from vllm_msa.registration import BACKEND_NAME
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -47,6 +40,13 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
+
+from msa_kernels import ops, reference
+from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
+from vllm_msa import compat
+from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.observer import OBSERVER
+from vllm_msa.registration import BACKEND_NAME
 
 
 class FlashMSABackend(AttentionBackend):

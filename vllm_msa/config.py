@@ -15,8 +15,9 @@ serve stops `vllm serve` before any engine process starts, with a message naming
 
 from dataclasses import MISSING, dataclass, fields, replace
 
-from msa_kernels.shapes import MSAShape
 from vllm.logger import init_logger
+
+from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it

@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, MLAAttentionSpec
+
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadataBuilder
 

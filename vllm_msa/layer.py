@@ -12,16 +12,16 @@ selection log.
 import torch
 from torch import nn
 from torch.library import Library
-
-from msa_kernels.shapes import MSAShape
 from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, MSAImpl
 from vllm_msa.config import MSAConfigError, RankLayout
-from vllm_msa.observer import OBSERVER
 from vllm_msa.index_key_cache import IndexKeyCache
+from vllm_msa.observer import OBSERVER
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):

@@ -18,9 +18,9 @@ Logging costs a host copy of the marked rows' selections, and nothing while no m
 """
 
 import torch
-
 from vllm import SamplingParams
 from vllm.logger import init_logger
+
 from vllm_msa.compat import LOGITS_PROCESSOR_API, LogitsProcessor, process_dict_updates
 
 logger = init_logger("vllm.msa.selection")  # under "vllm" so vLLM's log handlers print it

@@ -24,8 +24,8 @@ import torch
 
 from vllm_msa import compat
 from vllm_msa.config import MSAModelConfig
-from vllm_msa.layer import kv_cache_spec
 from vllm_msa.index_key_cache import index_key_cache_spec
+from vllm_msa.layer import kv_cache_spec
 
 GIB = 1 << 30
 

@@ -97,8 +97,8 @@ def _():
 
 @check("FLASH_ATTN backend and FlashAttention version", fatal=True)
 def _():
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.vllm_flash_attn import flash_attn_interface as fai
 
     cls = AttentionBackendEnum.FLASH_ATTN.get_class()
@@ -125,8 +125,8 @@ def ref_attention(q, k, v, scale):  # q [Lq, H, D], k/v [Lk, Hkv, D]; causal, bo
 
 @check("FA3 paged attention (2 sequences, bf16, block 128, GQA 32/8, D=128) vs PyTorch, eager and CUDA graph")
 def _():
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     torch.manual_seed(0)
     H, HKV, D, BS = 32, 8, 128, 128
@@ -266,8 +266,9 @@ def _():
 @check("requirements of the kit's packages met by what is installed")
 def _():
     from importlib import metadata
-    from packaging.requirements import Requirement
+
     import vllm
+    from packaging.requirements import Requirement
 
     site = os.path.dirname(os.path.dirname(vllm.__file__))
     dropped = {

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -21,6 +20,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
+
 from msa_kernels import ops
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense

@@ -16,12 +16,12 @@ import contextlib
 
 import torch
 from torch import nn
-
-from msa_kernels import ops
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
+
+from msa_kernels import ops
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
