@@ -25,6 +25,7 @@ From Python (e.g. pytest):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import signal
@@ -38,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from loadtests.memory import RssSampler  # noqa: E402
-from loadtests.report import format_summary, parse_locust_csv, summarize  # noqa: E402
-from serve.health import NotHealthyError, wait_healthy  # noqa: E402
+from loadtests.memory import RssSampler
+from loadtests.report import format_summary, parse_locust_csv, summarize
+from serve.health import NotHealthyError, wait_healthy
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -168,10 +169,8 @@ def run(
 
     def _kill_on_deadline() -> None:
         timed_out.set()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     watchdog = threading.Timer(deadline, _kill_on_deadline)
     watchdog.daemon = True

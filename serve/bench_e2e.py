@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.health import NotHealthyError, healthy, wait_healthy  # noqa: E402
+from serve.health import NotHealthyError, healthy, wait_healthy
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
 METRICS = (

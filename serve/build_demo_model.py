@@ -160,7 +160,7 @@ def write_weights(out_dir: Path, config: dict, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]  # noqa: E741  (the formulas' names)
     Hq, Hkv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     msa = config["msa_config"]
     Hi, Hki, Dp = msa["num_index_heads"], msa["num_index_key_heads"], msa["index_head_dim"]

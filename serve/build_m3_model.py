@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.build_demo_model import (  # noqa: E402
+from serve.build_demo_model import (
     BOS,
     EOS,
     IM_END,
@@ -150,7 +150,8 @@ PRESETS = {
 
 
 def make_config(**text_overrides) -> dict:
-    """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is merged)."""
+    """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is
+    merged)."""
     text = json.loads(json.dumps(TEXT_CONFIG))
     sparse = text_overrides.pop("sparse_attention_config", {})
     unknown = (text_overrides.keys() - text.keys()) | (sparse.keys() - text["sparse_attention_config"].keys())

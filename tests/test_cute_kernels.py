@@ -11,14 +11,14 @@ from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
-from msa_kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
-from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams  # noqa: E402
-from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams  # noqa: E402
-from msa_kernels.cute.runtime import compiled_kernel  # noqa: E402
-from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
-from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
-from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
+from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
+from msa_kernels.cute.combine import CombineKernel, CombineParams
+from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
+from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
+from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
+from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
 INDEX_SCORE_PARAMS = [
     (4, 1, 128),

@@ -80,7 +80,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
     got, selected = msa_attention(
         case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
     )
-    for r, q_len in enumerate(q_lens):
+    for r in range(len(q_lens)):
         _, _, _, tokens = case.request_tokens(r)
         torch.testing.assert_close(got[tokens], case.dense_causal(r), rtol=1e-12, atol=1e-12)
     # every visible block is selected, nothing else

@@ -234,7 +234,8 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     print(
         f"\nMSA metrics for a {prompt_len}+{max_tokens} token request: {blocks_per_token:.2f} selected blocks "
         f"per token, {fraction_read:.3f} of the context read; selection time share "
-        f"{selection_s / (selection_s + attention_s):.2f} over {total['vllm:msa_timed_layer_calls_total']:.0f} timed calls"
+        f"{selection_s / (selection_s + attention_s):.2f} over "
+        f"{total['vllm:msa_timed_layer_calls_total']:.0f} timed calls"
     )
     assert 0.1 < fraction_read < 0.5 and 3.5 < blocks_per_token <= MSA["topk_blocks"]
     layer_calls = NUM_MSA_LAYERS * (max_tokens + 1)  # at least one prefill step, then a step per decoded token

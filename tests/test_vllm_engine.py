@@ -166,7 +166,8 @@ def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_runn
     tokens, metrics = msa_tight_tokens
     print(
         f"\ntight KV cache: {metrics['vllm:num_preemptions']:.0f} preemptions, "
-        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens, {metrics['vllm:msa_selections']:.0f} selections"
+        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens, "
+        f"{metrics['vllm:msa_selections']:.0f} selections"
     )
     assert metrics["vllm:num_preemptions"] > 0  # the cache really was too small
     assert metrics["vllm:msa_selections"] > 0  # the sparse-layer metrics reach LLM.get_metrics() too

@@ -316,7 +316,8 @@ def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> 
         return f"vLLM's FlashAttention {version}"
     probe = torch.empty(0, device=device, dtype=dtype)
     shape = MSAShape(1, 1, head_size, 1, 1, 1, 1)
-    return f"sparse attention over every block ({'CuTeDSL' if ops.uses_cute_sparse_attention(probe, shape) else 'PyTorch'})"
+    kernel = "CuTeDSL" if ops.uses_cute_sparse_attention(probe, shape) else "PyTorch"
+    return f"sparse attention over every block ({kernel})"
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:

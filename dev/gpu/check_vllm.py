@@ -1,4 +1,5 @@
-"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after `source dev/gpu/install_vllm.sh`).
+"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after
+`source dev/gpu/install_vllm.sh`).
 
     python3 dev/gpu/check_vllm.py
 
@@ -27,7 +28,7 @@ def check(name, fatal=False):
         try:
             msg = fn()
             status = "WARN" if isinstance(msg, str) and msg.startswith("WARN") else "PASS"
-        except Exception as e:  # noqa: BLE001 - report every failure and go on
+        except Exception as e:  # report every failure and go on
             status, msg = "FAIL", f"{type(e).__name__}: {e}"
             if os.environ.get("CHECK_VLLM_TRACEBACK"):
                 traceback.print_exc()
@@ -84,12 +85,12 @@ def _():
 
 @check("vllm CUDA extensions (_C_stable_libtorch, _moe_C_stable_libtorch)", fatal=True)
 def _():
-    import vllm._C_stable_libtorch  # noqa: F401
-    import vllm._moe_C_stable_libtorch  # noqa: F401
+    import vllm._C_stable_libtorch
+    import vllm._moe_C_stable_libtorch
     from vllm.platforms import current_platform
 
     assert current_platform.is_cuda(), f"vLLM picked platform {current_platform.__class__.__name__}"
-    so = open(vllm._C_stable_libtorch.__file__, "rb").read()
+    so = Path(vllm._C_stable_libtorch.__file__).read_bytes()
     assert b"libcudart.so.13" in so, "does not link libcudart.so.13"
     assert hasattr(torch.ops._C, "rotary_embedding"), "torch.ops._C.rotary_embedding is not registered"
     return f"platform {current_platform.__class__.__name__}, torch.ops._C registered, links libcudart.so.13"

