@@ -20,12 +20,8 @@ from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionP
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
 from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
-INDEX_SCORE_PARAMS = [
-    (4, 1, 128),
-    (8, 2, 64),
-    (4, 4, 32),
-    (2, 1, 256),
-]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
+# (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
+INDEX_SCORE_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]
 
 
 @pytest.fixture

@@ -343,8 +343,8 @@ def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None) -> di
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-    )  # apply_model ships this module's functions
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # apply_model ships this module's functions
+    )
     if not flash_msa:
         env["VLLM_PLUGINS"] = ""  # no general plugins: vLLM's registry entry for M3 stays vLLM's
     else:  # vLLM finds plugins by their installed entry point, not on PYTHONPATH

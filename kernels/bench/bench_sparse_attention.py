@@ -121,9 +121,10 @@ def prefill(flops):
             lambda: index_scores_prefill.prefill_index_block_scores(index_q, index_keys, pb, M3_SHAPE), iters=3
         )
         blocks = context // M3_SHAPE.block_size
+        # over the visible blocks
         index_fl = (
             2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size * (blocks + 1) / 2
-        )  # visible blocks
+        )
         t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE), iters=2)
         dq = q.view(1, context, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
         dk = torch.randn(1, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
