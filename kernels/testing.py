@@ -22,7 +22,7 @@ class PagedCase:
     index_key_cache: torch.Tensor  # [pages, B, Hki, Dp]
     scale: float
 
-    def request_tokens(self, r: int):
+    def request_tokens(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
         """Request r's contiguous K, V, index keys [seq_len, heads, dim] and its query token slice."""
         b = self.shape.block_size
         seq_len = self.batch.seq_lens_cpu[r]

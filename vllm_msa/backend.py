@@ -25,7 +25,7 @@ K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page 
 
 import functools
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
@@ -47,6 +47,9 @@ from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES
 from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 class FlashMSABackend(AttentionBackend):
@@ -109,7 +112,9 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     reorder_batch_threshold = DECODE_QUERY_LEN
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: "VllmConfig", device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         compilation = vllm_config.compilation_config
         # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
@@ -120,7 +125,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         self._graph_num_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+    def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
         """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
         kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
@@ -185,7 +190,14 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
@@ -209,7 +221,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
     def forward(
         self,
-        layer,
+        layer: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -326,7 +338,13 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
     return kv_cache.unflatten(-1, (num_kv_heads, head_size))
 
 
-def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
+def write_paged(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the index-key

@@ -63,7 +63,15 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         torch.ops.vllm_msa.msa_attention(q, k, v, index_q, index_k, output, self.layer_name)
         return output
 
-    def run(self, q, k, v, index_q, index_k, output) -> None:
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
         attn_metadata = compat.step_attn_metadata()
         if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
             output.zero_()

@@ -19,6 +19,7 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from vllm_msa import compat
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.index_key_cache import index_key_cache_spec
 from vllm_msa.layer import kv_cache_spec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GIB = 1 << 30
 
@@ -42,7 +46,7 @@ class Layout:
         return f"TP {self.tp} x PP {self.pp} x DP {self.dp}{ep} ({self.tp * self.pp * self.dp} GPUs)"
 
 
-def load(model_dir: Path):
+def load(model_dir: Path) -> tuple["PretrainedConfig", MSAModelConfig, bool]:
     """(text config as vLLM reads it, MSAModelConfig, is MiniMax-M3)."""
     config = compat.load_hf_config(str(model_dir))
     text = config.get_text_config()
@@ -51,7 +55,7 @@ def load(model_dir: Path):
     return text, MSAModelConfig.from_minimax_m3(text), True
 
 
-def cache_bytes_per_token(text, msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
+def cache_bytes_per_token(text: "PretrainedConfig", msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
     """(K/V, index keys) bytes per context token of one rank holding these layers (its TP rank 0)."""
     dtype = torch.bfloat16
     layout = msa.rank_layout(text, tp, 0)
@@ -66,7 +70,7 @@ def cache_bytes_per_token(text, msa: MSAModelConfig, layers: range, tp: int) -> 
 
 
 def weight_bytes(
-    text,
+    text: "PretrainedConfig",
     msa: MSAModelConfig,
     layers: range,
     layout: Layout,

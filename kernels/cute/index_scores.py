@@ -12,6 +12,7 @@ is read once per query token. index_block_scores launches it.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -22,6 +23,9 @@ from cutlass.cute.runtime import make_fake_stream
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -65,11 +69,11 @@ class IndexScoreKernel:
         )
 
     @classmethod
-    def compile(cls, params: IndexScoreParams):
+    def compile(cls, params: IndexScoreParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: IndexScoreParams):
+    def fake_arguments(params: IndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (

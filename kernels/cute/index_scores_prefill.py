@@ -19,6 +19,7 @@ with -inf first.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,6 +33,9 @@ from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -75,11 +79,11 @@ class PrefillIndexScoreKernel:
         return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
 
     @classmethod
-    def compile(cls, params: PrefillIndexScoreParams):
+    def compile(cls, params: PrefillIndexScoreParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: PrefillIndexScoreParams):
+    def fake_arguments(params: PrefillIndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (

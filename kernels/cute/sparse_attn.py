@@ -23,6 +23,7 @@ attend_per_token (the same on converted inputs, also for the tiles sparse_attn_p
 import functools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -44,6 +45,9 @@ from msa_kernels.cute.warp_mma import (
     swizzled_rows,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -88,11 +92,11 @@ class SparseAttentionKernel:
         return dtype == torch.bfloat16 and block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
 
     @classmethod
-    def compile(cls, params: SparseAttentionParams):
+    def compile(cls, params: SparseAttentionParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: SparseAttentionParams):
+    def fake_arguments(params: SparseAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
         return (

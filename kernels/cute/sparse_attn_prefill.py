@@ -19,6 +19,7 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -39,6 +40,9 @@ from msa_kernels.cute.warp_mma import (
     warpgroup_gemm_nt,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
@@ -90,11 +94,11 @@ class PrefillAttentionKernel:
         )
 
     @classmethod
-    def compile(cls, params: PrefillAttentionParams):
+    def compile(cls, params: PrefillAttentionParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: PrefillAttentionParams):
+    def fake_arguments(params: PrefillAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (

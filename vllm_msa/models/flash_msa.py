@@ -10,10 +10,11 @@ the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama p
 """
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -27,6 +28,10 @@ from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 
@@ -35,17 +40,17 @@ class FlashMSAAttention(nn.Module):
 
     def __init__(
         self,
-        config,
+        config: "PretrainedConfig",
         hidden_size: int,
         num_heads: int,
         num_kv_heads: int,
         max_position_embeddings: int = 8192,
-        quant_config=None,
+        quant_config: "QuantizationConfig | None" = None,
         bias: bool = False,
         bias_o_proj: bool = False,
-        cache_config=None,
+        cache_config: CacheConfig | None = None,
         prefix: str = "",
-        attn_type=None,
+        attn_type: str | None = None,
     ) -> None:
         super().__init__()
         msa = MSAModelConfig.from_hf_config(config)
@@ -102,7 +107,7 @@ class FlashMSAAttention(nn.Module):
 
 
 class FlashMSADecoderLayer(LlamaDecoderLayer):
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config: "PretrainedConfig | None" = None) -> None:
         config = config or vllm_config.model_config.hf_config
         sparse = MSAModelConfig.from_hf_config(config).is_sparse(extract_layer_index(prefix))
         super().__init__(vllm_config, prefix, config, attn_layer_type=FlashMSAAttention if sparse else LlamaAttention)

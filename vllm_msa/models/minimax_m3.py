@@ -13,10 +13,11 @@ CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA g
 """
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -26,6 +27,10 @@ from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
 from vllm_msa.layer import MSAAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 logger = init_logger("vllm.msa")
 
@@ -37,12 +42,12 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
 
     def __init__(
         self,
-        config,
+        config: "PretrainedConfig",
         layer_id: int,
-        quant_config=None,
+        quant_config: "QuantizationConfig | None" = None,
         prefix: str = "",
-        cache_config=None,
-        topk_indices_buffer=None,
+        cache_config: CacheConfig | None = None,
+        topk_indices_buffer: torch.Tensor | None = None,
         use_sequence_parallel: bool = False,
         run_gemm_rs: bool = False,
     ) -> None:
