@@ -48,7 +48,9 @@ def _cute_available(device_index: int) -> bool:
     except ImportError as error:
         logger.warning(
             "FLASH_MSA: CuTeDSL is not importable (%s), so the MSA steps run the PyTorch path on this Hopper GPU "
-            "(same results, far slower): pip install '%s'", error, CUTE_DSL_REQUIREMENT,
+            "(same results, far slower): pip install '%s'",
+            error,
+            CUTE_DSL_REQUIREMENT,
         )
         return False
     return True
@@ -143,8 +145,10 @@ def index_block_scores(
     index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
     """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
-    scores = [_index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
-              for rows, part in _parts(batch)]
+    scores = [
+        _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
+        for rows, part in _parts(batch)
+    ]
     if len(scores) == 1:
         return scores[0]
     return torch.cat(scores) if scores else reference.index_block_scores(index_q, index_key_cache, batch, shape)
@@ -159,8 +163,12 @@ def select_blocks(
 ) -> torch.Tensor:
     """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (batch: the index-key cache's block
     table), written into out if given (e.g. a slice of a step's selection)."""
-    selected = out if out is not None else torch.empty(
-        (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
+    selected = (
+        out
+        if out is not None
+        else torch.empty(
+            (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
+        )
     )
     for rows, part in _parts(batch):
         scores = _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)

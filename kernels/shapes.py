@@ -120,8 +120,10 @@ class PagedBatch:
         if num_decode_requests is None:
             lens = self.query_lens_cpu
             num_decode_requests = next((r for r, n in enumerate(lens) if n > DECODE_QUERY_LEN), len(lens))
-        parts = (self._part(0, num_decode_requests, "decode"),
-                 self._part(num_decode_requests, self.num_requests, "prefill"))
+        parts = (
+            self._part(0, num_decode_requests, "decode"),
+            self._part(num_decode_requests, self.num_requests, "prefill"),
+        )
         self.__dict__["_split"] = (num_decode_requests, parts)
         return parts
 

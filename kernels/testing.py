@@ -22,7 +22,7 @@ class PagedCase:
     index_key_cache: torch.Tensor  # [pages, B, Hki, Dp]
     scale: float
 
-    def request_tokens(self, r: int):
+    def request_tokens(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
         """Request r's contiguous K, V, index keys [seq_len, heads, dim] and its query token slice."""
         b = self.shape.block_size
         seq_len = self.batch.seq_lens_cpu[r]
@@ -78,9 +78,9 @@ def make_case(
         for i, page in enumerate(pages.tolist()):
             n = min(b, seq_len - i * b)
             kv_cache[page, :, :n] = torch.randn(2, n, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-            index_key_cache[page, :n] = torch.randn(
-                n, shape.num_index_key_heads, shape.index_head_dim, generator=g
-            ).to(dtype)
+            index_key_cache[page, :n] = torch.randn(n, shape.num_index_key_heads, shape.index_head_dim, generator=g).to(
+                dtype
+            )
     num_tokens = sum(q_lens)
     q = torch.randn(num_tokens, shape.num_q_heads, shape.head_dim, generator=g).to(dtype)
     index_q = torch.randn(num_tokens, shape.num_index_heads, shape.index_head_dim, generator=g).to(dtype)

@@ -27,8 +27,8 @@ from locust import HttpUser, constant, events, task
 from locust import stats as locust_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # locust imports this file by its path
-from loadtests import workload  # noqa: E402
-from loadtests.responses import answer_error, error_message, http_error, read_content_chunks, read_stream  # noqa: E402
+from loadtests import workload
+from loadtests.responses import answer_error, error_message, http_error, read_content_chunks, read_stream
 
 EXPECTED_TOKENS = workload.MAX_TOKENS if workload.CHECK_LENGTH else None
 

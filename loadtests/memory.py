@@ -8,6 +8,7 @@ the run's last window: growth past the bound is a problem of the run.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -34,10 +35,8 @@ class RssSampler:
 
         total = 0
         for proc in [self.root, *self.root.children(recursive=True)]:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 total += proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
         return total / 2**20
 
     def _loop(self) -> None:

@@ -97,9 +97,12 @@ def read_content_chunks(resp: requests.Response, n: int) -> tuple[int, str | Non
     try:
         for raw in resp.iter_lines(chunk_size=None):
             line = raw.strip()
-            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                if has_content(json.loads(line[5:]), chat=False):
-                    n_content += 1
+            if (
+                line.startswith(b"data:")
+                and line[5:].strip() != b"[DONE]"
+                and has_content(json.loads(line[5:]), chat=False)
+            ):
+                n_content += 1
             if n_content >= n:
                 break
     except (requests.RequestException, OSError, ValueError) as e:

@@ -25,6 +25,7 @@ From Python (e.g. pytest):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import signal
@@ -38,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from loadtests.memory import RssSampler  # noqa: E402
-from loadtests.report import format_summary, parse_locust_csv, summarize  # noqa: E402
-from serve.health import NotHealthyError, wait_healthy  # noqa: E402
+from loadtests.memory import RssSampler
+from loadtests.report import format_summary, parse_locust_csv, summarize
+from serve.health import NotHealthyError, wait_healthy
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -168,10 +169,8 @@ def run(
 
     def _kill_on_deadline() -> None:
         timed_out.set()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     watchdog = threading.Timer(deadline, _kill_on_deadline)
     watchdog.daemon = True
@@ -216,19 +215,32 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default=DEFAULT_HOST, help=f"server base URL, loopback only (default {DEFAULT_HOST})")
-    p.add_argument("--profile", choices=sorted(PROFILES), default="steady",
-                   help="steady: the four request kinds; soak: plus long prompts, cancellations, bad requests")
+    p.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="steady",
+        help="steady: the four request kinds; soak: plus long prompts, cancellations, bad requests",
+    )
     p.add_argument("--users", type=int, default=4, help="concurrent simulated users (default 4)")
     p.add_argument("--spawn-rate", type=float, default=None, help="users started per second (default: all at once)")
     p.add_argument("--run-time", type=int, default=30, help="test duration in seconds (default 30)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="approximate prompt length in tokens (default 256)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    p.add_argument("--long-prompt-tokens", type=int, default=3000,
-                   help="soak profile: long prompt length in tokens (default 3000)")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="sample this process tree's RSS during the run and bound its growth")
-    p.add_argument("--max-rss-growth-mib", type=float, default=DEFAULT_MAX_RSS_GROWTH_MIB,
-                   help=f"allowed RSS growth after warm-up, MiB (default {DEFAULT_MAX_RSS_GROWTH_MIB:.0f})")
+    p.add_argument(
+        "--long-prompt-tokens", type=int, default=3000, help="soak profile: long prompt length in tokens (default 3000)"
+    )
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="sample this process tree's RSS during the run and bound its growth",
+    )
+    p.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=DEFAULT_MAX_RSS_GROWTH_MIB,
+        help=f"allowed RSS growth after warm-up, MiB (default {DEFAULT_MAX_RSS_GROWTH_MIB:.0f})",
+    )
     p.add_argument("--model", default=None, help="model name (default: first id from GET /v1/models)")
     p.add_argument("--report-dir", default=None, help="directory for CSV stats + report.html (default: a new temp dir)")
     p.add_argument("--csv-prefix", default=None, help="locust --csv prefix (default: REPORT_DIR/locust)")

@@ -19,7 +19,7 @@ import requests
 
 # Common short English words: in byte-level BPE vocabularies trained on English each " word" is usually
 # a single token, so N words ~= N tokens.
-WORDS = (
+WORDS = (  # noqa: SIM905  (a word list reads better as text)
     "the of and to in is was for on are with as at be by this have from or had not but what all "
     "were when we there can an your which their said if do will each about how up out them then she "
     "many some so these would other into has more her two like him see time could no make than first "

@@ -66,11 +66,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.health import NotHealthyError, healthy, wait_healthy  # noqa: E402
+from serve.health import NotHealthyError, healthy, wait_healthy
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
-METRICS = (("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("median_itl_ms", "ITL p50 ms"),
-           ("output_throughput", "out tok/s"))
+METRICS = (
+    ("mean_ttft_ms", "TTFT ms"),
+    ("mean_tpot_ms", "TPOT ms"),
+    ("median_itl_ms", "ITL p50 ms"),
+    ("output_throughput", "out tok/s"),
+)
 RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"), ("median_itl_ms", "ITL p50"))
 M3_ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
 LOG_TAIL_LINES = 40
@@ -126,8 +130,15 @@ def minimax_m3_configs(model_dir: Path, dense_backend: str) -> dict[str, list[st
     return {
         "FLASH_MSA": ["--attention-backend", "FLASH_MSA", *paged],
         "MINIMAX_M3_SPARSE": ["--attention-backend", dense_backend, *paged],
-        "dense": ["--attention-backend", dense_backend, *paged, "--hf-overrides", json.dumps(override),
-                  "--load-format", "dummy"],
+        "dense": [
+            "--attention-backend",
+            dense_backend,
+            *paged,
+            "--hf-overrides",
+            json.dumps(override),
+            "--load-format",
+            "dummy",
+        ],
     }
 
 
@@ -153,10 +164,26 @@ def start_server(server: Server, memory_share: float, common: list[str], opts) -
     if healthy(server.url):
         report_failure(server, f"port {server.port} already serves something", server.log)
         return
-    cmd = [*vllm_command(), "serve", str(opts.model_dir), "--served-model-name", "bench", "--host", "127.0.0.1",
-           "--port", str(server.port), "--max-model-len", str(max(opts.input_lens) + opts.output_len + PROMPT_SLACK),
-           "--gpu-memory-utilization", f"{memory_share:.3f}", "--max-num-seqs", str(max(opts.concurrency)),
-           "--no-enable-prefix-caching", *server.args, *common]
+    cmd = [
+        *vllm_command(),
+        "serve",
+        str(opts.model_dir),
+        "--served-model-name",
+        "bench",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--max-model-len",
+        str(max(opts.input_lens) + opts.output_len + PROMPT_SLACK),
+        "--gpu-memory-utilization",
+        f"{memory_share:.3f}",
+        "--max-num-seqs",
+        str(max(opts.concurrency)),
+        "--no-enable-prefix-caching",
+        *server.args,
+        *common,
+    ]
     print(f"[{server.name}] starting on port {server.port}: {shlex.join(cmd)}", flush=True)
     with open(server.log, "w") as log_file:  # the child keeps its own descriptor
         server.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -192,13 +219,37 @@ def stop_server(server: Server) -> None:
 
 
 def bench_command(server: Server, input_len: int, concurrency: int, filename: str, opts) -> list[str]:
-    return [*vllm_command(), "bench", "serve", "--backend", "vllm", "--model", "bench",
-            "--tokenizer", str(opts.model_dir), "--base-url", server.url,
-            "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(opts.output_len), "--ignore-eos",
-            "--num-prompts", str(max(opts.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
-            "--num-warmups", str(opts.warmups),
-            "--save-result", "--result-dir", str(opts.out), "--result-filename", filename]
+    return [
+        *vllm_command(),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--model",
+        "bench",
+        "--tokenizer",
+        str(opts.model_dir),
+        "--base-url",
+        server.url,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(opts.output_len),
+        "--ignore-eos",
+        "--num-prompts",
+        str(max(opts.num_prompts, concurrency)),
+        "--max-concurrency",
+        str(concurrency),
+        "--num-warmups",
+        str(opts.warmups),
+        "--save-result",
+        "--result-dir",
+        str(opts.out),
+        "--result-filename",
+        filename,
+    ]
 
 
 def bench_load(server: Server, input_len: int, concurrency: int, step: str, opts) -> None:
@@ -212,8 +263,12 @@ def bench_load(server: Server, input_len: int, concurrency: int, step: str, opts
     filename, log = f"{stem}.json", opts.out / f"bench-{stem}.log"
     started = time.time()
     try:
-        done = subprocess.run(bench_command(server, input_len, concurrency, filename, opts), capture_output=True,
-                              text=True, timeout=opts.bench_timeout)
+        done = subprocess.run(
+            bench_command(server, input_len, concurrency, filename, opts),
+            capture_output=True,
+            text=True,
+            timeout=opts.bench_timeout,
+        )
         log.write_text(done.stdout + done.stderr)
         failure = f"vllm bench serve exited with {done.returncode} at {load}" if done.returncode else None
     except subprocess.TimeoutExpired:
@@ -226,8 +281,11 @@ def bench_load(server: Server, input_len: int, concurrency: int, step: str, opts
     row = ", ".join(f"{label} {result[key]:.1f}" for key, label in METRICS)
     print(f"[{server.name}] {load}: {row} ({time.time() - started:.0f} s)", flush=True)
     if result["failed"]:
-        report_failure(server, f"{result['failed']} of {result['num_prompts']} requests failed at {load}; "
-                       "its numbers cover the others", log)
+        report_failure(
+            server,
+            f"{result['failed']} of {result['num_prompts']} requests failed at {load}; its numbers cover the others",
+            log,
+        )
 
 
 def run_together(servers: list[Server], common: list[str], opts) -> None:
@@ -278,14 +336,19 @@ def bar_chart_svg(title: str, names: list[str], results: list[dict], colors: lis
         for i, (name, value, color) in enumerate(zip(names, values, colors)):
             h = (height - top - bottom) * value / peak
             x, y = 20 + i * bar + bar * 0.1, height - bottom - h
-            items += [f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar * 0.8:.1f}" height="{h:.1f}" fill="{color}"/>',
-                      f'<text x="{x + bar * 0.4:.1f}" y="{y - 4:.1f}" text-anchor="middle">{value:.1f}</text>',
-                      f'<text x="{x + bar * 0.4:.1f}" y="{height - bottom + 16}" text-anchor="middle" '
-                      f'font-size="10">{name}</text>']
+            items += [
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar * 0.8:.1f}" height="{h:.1f}" fill="{color}"/>',
+                f'<text x="{x + bar * 0.4:.1f}" y="{y - 4:.1f}" text-anchor="middle">{value:.1f}</text>',
+                f'<text x="{x + bar * 0.4:.1f}" y="{height - bottom + 16}" text-anchor="middle" '
+                f'font-size="10">{name}</text>',
+            ]
         panels.append(f'<g transform="translate({p * width},20)">' + "".join(items) + "</g>")
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(METRICS)}" height="{height + 20}" '
-            f'font-family="sans-serif" font-size="12"><text x="10" y="16" font-weight="bold">{title}</text>'
-            + "".join(panels) + "</svg>\n")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(METRICS)}" height="{height + 20}" '
+        f'font-family="sans-serif" font-size="12"><text x="10" y="16" font-weight="bold">{title}</text>'
+        + "".join(panels)
+        + "</svg>\n"
+    )
 
 
 def plot(servers: list[Server], loads: list[tuple[int, int]], out: Path) -> list[Path]:
@@ -296,9 +359,14 @@ def plot(servers: list[Server], loads: list[tuple[int, int]], out: Path) -> list
         measured = [(i, s) for i, s in enumerate(servers) if load in s.results]
         if measured:
             paths.append(out / f"e2e-{load[0]}-c{load[1]}.svg")
-            paths[-1].write_text(bar_chart_svg(f"input {load[0]} tokens, concurrency {load[1]}",
-                                               [s.name for _, s in measured], [s.results[load] for _, s in measured],
-                                               [COLORS[i % len(COLORS)] for i, _ in measured]))
+            paths[-1].write_text(
+                bar_chart_svg(
+                    f"input {load[0]} tokens, concurrency {load[1]}",
+                    [s.name for _, s in measured],
+                    [s.results[load] for _, s in measured],
+                    [COLORS[i % len(COLORS)] for i, _ in measured],
+                )
+            )
     return paths
 
 
@@ -306,23 +374,40 @@ def plot(servers: list[Server], loads: list[tuple[int, int]], out: Path) -> list
 
 
 def parse_args(argv):
-    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    common = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--input-lens", type=int, nargs="+", required=True)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=16, help="requests per load (at least its concurrency)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[4],
-                        help="concurrent requests of a load; several values: one load each, same servers")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="concurrent requests of a load; several values: one load each, same servers",
+    )
     parser.add_argument("--warmups", type=int, default=1, help="unmeasured requests before each run (default 1)")
-    parser.add_argument("--config", action="append", default=[], metavar="NAME='ARGS'",
-                        help="a server configuration (repeatable); default: by the checkpoint's architecture")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME='ARGS'",
+        help="a server configuration (repeatable); default: by the checkpoint's architecture",
+    )
     parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense (and dense-layer) runs")
-    parser.add_argument("--parallel-start", action="store_true",
-                        help="start every server at once, then benchmark them one after another")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="device memory share of the servers running at once, split evenly (default 0.9)")
+    parser.add_argument(
+        "--parallel-start",
+        action="store_true",
+        help="start every server at once, then benchmark them one after another",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="device memory share of the servers running at once, split evenly (default 0.9)",
+    )
     parser.add_argument("--port", type=int, default=8123, help="port of the first server; the next ones count up")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--bench-timeout", type=float, default=1800, help="seconds per vllm bench serve run")
@@ -339,8 +424,10 @@ def main(argv=None):
     configs = {k: shlex.split(v) for k, v in (c.split("=", 1) for c in opts.config)}
     configs = configs or default_configs(opts.model_dir, opts.dense_backend)
     opts.out.mkdir(parents=True, exist_ok=True)
-    servers = [Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")
-               for i, (name, args) in enumerate(configs.items())]
+    servers = [
+        Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")
+        for i, (name, args) in enumerate(configs.items())
+    ]
     for group in [servers] if opts.parallel_start else [[s] for s in servers]:
         run_together(group, common, opts)
     report = table(servers, opts.loads)

@@ -141,8 +141,7 @@ def write_tokenizer(out_dir: Path, config: dict) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    log.info("tokenizer: byte-level BPE, %d tokens, trained on %.1f MB of %s",
-             vocab_size, total / 1e6, stdlib)
+    log.info("tokenizer: byte-level BPE, %d tokens, trained on %.1f MB of %s", vocab_size, total / 1e6, stdlib)
 
 
 def write_config(out_dir: Path, config: dict) -> None:
@@ -161,7 +160,7 @@ def write_weights(out_dir: Path, config: dict, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    H, I, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]  # noqa: E741  (the formulas' names)
     Hq, Hkv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     msa = config["msa_config"]
     Hi, Hki, Dp = msa["num_index_heads"], msa["num_index_key_heads"], msa["index_head_dim"]
@@ -273,8 +272,12 @@ def _write_json(path: Path, obj: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory (created or reused)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="model shapes (default: the small CPU demo; m3-attention: MiniMax-M3's attention shapes)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="model shapes (default: the small CPU demo; m3-attention: MiniMax-M3's attention shapes)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args()

@@ -34,8 +34,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.build_demo_model import (  # noqa: E402
-    BOS, EOS, IM_END, PAD, _write_json, build_checkpoint, holds_model, write_tokenizer,
+from serve.build_demo_model import (
+    BOS,
+    EOS,
+    IM_END,
+    PAD,
+    _write_json,
+    build_checkpoint,
+    holds_model,
+    write_tokenizer,
 )
 
 log = logging.getLogger(__name__)
@@ -143,7 +150,8 @@ PRESETS = {
 
 
 def make_config(**text_overrides) -> dict:
-    """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is merged)."""
+    """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is
+    merged)."""
     text = json.loads(json.dumps(TEXT_CONFIG))
     sparse = text_overrides.pop("sparse_attention_config", {})
     unknown = (text_overrides.keys() - text.keys()) | (sparse.keys() - text["sparse_attention_config"].keys())
@@ -208,8 +216,13 @@ def checkpoint_tensors(text: dict, seed: int) -> dict:
             normal(f"{moe}.e_score_correction_bias", (E,), 0.01, torch.float32)
             for e in range(E):
                 mlp(f"{moe}.experts.{e}", "w1", "w3", "w2", text["intermediate_size"])
-            mlp(f"{moe}.shared_experts", "gate_proj", "up_proj", "down_proj",
-                text["intermediate_size"] * text["n_shared_experts"])
+            mlp(
+                f"{moe}.shared_experts",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                text["intermediate_size"] * text["n_shared_experts"],
+            )
         else:
             mlp(f"{p}.mlp", "gate_proj", "up_proj", "down_proj", text["dense_intermediate_size"])
     norm("model.norm", H)
@@ -230,11 +243,17 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
     def write_files(tmp: Path) -> None:
         write_tokenizer(tmp, text)
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        _write_json(
+            tmp / "generation_config.json", {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        )
         tensors = checkpoint_tensors(text, seed)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        log.info("weights: %d tensors, %.2fM parameters, seed %d",
-                 len(tensors), sum(t.numel() for t in tensors.values()) / 1e6, seed)
+        log.info(
+            "weights: %d tensors, %.2fM parameters, seed %d",
+            len(tensors),
+            sum(t.numel() for t in tensors.values()) / 1e6,
+            seed,
+        )
 
     return build_checkpoint(out_dir, config, write_files, overwrite=not holds_model(Path(out_dir).resolve(), config))
 
@@ -242,11 +261,18 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="checkpoint directory (created or reused)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
-    parser.add_argument("--config-only", action="store_true",
-                        help="write config.json alone (e.g. --preset production, for python -m vllm_msa.sizing)")
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json alone (e.g. --preset production, for python -m vllm_msa.sizing)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.config_only:

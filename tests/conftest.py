@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo checkpoint and the M3-attention-shaped MiniMax-M3 checkpoint, built once per test session."""
+"""Shared fixtures: the demo checkpoint and the M3-attention-shaped MiniMax-M3 checkpoint, built once per test
+session."""
 
 import os
 

@@ -63,7 +63,9 @@ class ReferenceFlashMSA:
         num_pages = -(-n // s.block_size)
         pad = num_pages * s.block_size - n
         kv_cache = torch.stack([k, v], dim=0)
-        kv_cache = torch.nn.functional.pad(kv_cache, (0, 0, 0, 0, 0, pad)).view(2, num_pages, s.block_size, *k.shape[1:])
+        kv_cache = torch.nn.functional.pad(kv_cache, (0, 0, 0, 0, 0, pad)).view(
+            2, num_pages, s.block_size, *k.shape[1:]
+        )
         index_keys = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
         batch = PagedBatch(
             query_start_loc=torch.tensor([0, n]),

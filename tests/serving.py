@@ -36,22 +36,25 @@ def demo_server(log_dir: Path, flags: list[str], env: dict[str, str] | None = No
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = log_dir / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        ["bash", "serve/demo.sh", "--port", str(port), *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ | (env or {}),
-    )
-    try:
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["bash", "serve/demo.sh", "--port", str(port), *flags],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | (env or {}),
+        )
         try:
-            waited = wait_healthy(url, START_TIMEOUT_S, proc=proc)
-        except NotHealthyError as e:
-            pytest.fail(f"server did not come up: {e}:\n{log_path.read_text()[-4000:]}")
-        print(f"\nserver up in {waited:.0f} s")
-        yield Server(url, log_path, proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+            try:
+                waited = wait_healthy(url, START_TIMEOUT_S, proc=proc)
+            except NotHealthyError as e:
+                pytest.fail(f"server did not come up: {e}:\n{log_path.read_text()[-4000:]}")
+            print(f"\nserver up in {waited:.0f} s")
+            yield Server(url, log_path, proc.pid)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -39,7 +39,7 @@ def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attent
     assert msa.layer_shape(text) == MSAModelConfig.from_minimax_m3(production).layer_shape(production)
     assert msa.dense_layers == (0,) and msa.sparse_layers(text.num_hidden_layers) == [1, 2, 3]
     with safe_open(m3_attention_model / "model.safetensors", "pt") as f:
-        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118  (safe_open: keys(), no iteration)
     assert params < 100e6, params
 
 
@@ -68,7 +68,10 @@ def test_m3_default_configs_are_flash_msa_vllms_m3_and_all_dense_m3(m3_attention
     assert list(configs) == ["FLASH_MSA", "MINIMAX_M3_SPARSE", "dense"]
     parsed = {name: engine_args(m3_attention_model, args) for name, args in configs.items()}
     assert {name: e.attention_backend for name, e in parsed.items()} == {
-        "FLASH_MSA": "FLASH_MSA", "MINIMAX_M3_SPARSE": "FLASH_ATTN", "dense": "FLASH_ATTN"}
+        "FLASH_MSA": "FLASH_MSA",
+        "MINIMAX_M3_SPARSE": "FLASH_ATTN",
+        "dense": "FLASH_ATTN",
+    }
     assert {e.block_size for e in parsed.values()} == {128}
     assert [e.load_format for e in parsed.values()] == ["auto", "auto", "dummy"]
     assert parsed["FLASH_MSA"].hf_overrides == parsed["MINIMAX_M3_SPARSE"].hf_overrides == {}
@@ -79,7 +82,10 @@ def test_m3_default_configs_are_flash_msa_vllms_m3_and_all_dense_m3(m3_attention
     before = compat.m3_sparse_fields(config.get_text_config())
     text = apply_hf_overrides(config, parsed["dense"].hf_overrides).get_text_config()
     after = compat.m3_sparse_fields(text)
-    assert after["sparse_layers"] == [False] * 4 and {**after, "sparse_layers": None} == {**before, "sparse_layers": None}
+    assert after["sparse_layers"] == [False] * 4 and {**after, "sparse_layers": None} == {
+        **before,
+        "sparse_layers": None,
+    }
     assert MSAModelConfig.from_minimax_m3(text).dense_layers == (0, 1, 2, 3)  # every layer dense
 
 
@@ -101,7 +107,7 @@ def test_flash_msa_default_configs_are_unchanged(demo_model):
     assert dense.attention_backend == "CPU_ATTN" and dense.hf_overrides["msa_config"]["dense_layers"] == [0, 1, 2, 3]
 
 
-STAND_IN_VLLM = '''
+STAND_IN_VLLM = """
 import http.server, json, sys
 args = sys.argv[1:]
 opt = lambda name: args[args.index(name) + 1]
@@ -123,20 +129,41 @@ else:  # bench serve: TPOT = input length / 100 * (1 + server index)
               "output_throughput": 1000 / scale, "num_prompts": 4, "failed": 0}
     with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
         json.dump(result, f)
-'''
+"""
 
 
-def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(demo_model, tmp_path, monkeypatch,
-                                                                                   capsys):
+def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(
+    demo_model, tmp_path, monkeypatch, capsys
+):
     port = free_port()
     stand_in = tmp_path / "vllm.py"
     stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
     monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
     out = tmp_path / "out"
-    servers = bench_e2e.main([str(demo_model), "--input-lens", "100", "200", "--concurrency", "1", "4",
-                              "--parallel-start", "--port", str(port),
-                              "--config", "A=--attention-backend FLASH_MSA", "--config", "B=--attention-backend X",
-                              "--config", "C=--attention-backend BROKEN", "--out", str(out), "--", "--enforce-eager"])
+    servers = bench_e2e.main(
+        [
+            str(demo_model),
+            "--input-lens",
+            "100",
+            "200",
+            "--concurrency",
+            "1",
+            "4",
+            "--parallel-start",
+            "--port",
+            str(port),
+            "--config",
+            "A=--attention-backend FLASH_MSA",
+            "--config",
+            "B=--attention-backend X",
+            "--config",
+            "C=--attention-backend BROKEN",
+            "--out",
+            str(out),
+            "--",
+            "--enforce-eager",
+        ]
+    )
     printed = capsys.readouterr().out
     a, b, c = servers
     assert [s.port for s in servers] == [port, port + 1, port + 2]
@@ -151,6 +178,10 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
     summary = (out / "summary.md").read_text()
     assert "| 200 | 4 | B | 40.0 | 4.0 | 2.0 | 500.0 | 0.50 | 0.50 | 0.50 |" in summary
     assert "| 100 | 1 | C | failed |" in summary and "- C: server exited with 1" in summary
-    assert sorted(p.name for p in out.glob("*.svg")) == ["e2e-100-c1.svg", "e2e-100-c4.svg", "e2e-200-c1.svg",
-                                                         "e2e-200-c4.svg"]
+    assert sorted(p.name for p in out.glob("*.svg")) == [
+        "e2e-100-c1.svg",
+        "e2e-100-c4.svg",
+        "e2e-200-c1.svg",
+        "e2e-200-c4.svg",
+    ]
     assert ">B</text>" in (out / "e2e-200-c4.svg").read_text()

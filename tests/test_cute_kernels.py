@@ -11,16 +11,17 @@ from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks  # noqa: E402
-from msa_kernels.cute.combine import CombineKernel, CombineParams  # noqa: E402
-from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams  # noqa: E402
-from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams  # noqa: E402
-from msa_kernels.cute.runtime import compiled_kernel  # noqa: E402
-from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams  # noqa: E402
-from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams  # noqa: E402
-from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams  # noqa: E402
+from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
+from msa_kernels.cute.combine import CombineKernel, CombineParams
+from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
+from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
+from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
+from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
-INDEX_SCORE_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]  # (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
+# (Hi, Hki, Dp); the last: 2 heads a CTA, 2 stages
+INDEX_SCORE_PARAMS = [(4, 1, 128), (8, 2, 64), (4, 4, 32), (2, 1, 256)]
 
 
 @pytest.fixture
@@ -116,8 +117,15 @@ CASES = {
 @pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
-    shape = MSAShape(num_q_heads=hi * 2, num_kv_heads=1, head_dim=64,
-                     num_index_heads=hi, num_index_key_heads=hki, index_head_dim=dp, topk_blocks=16)
+    shape = MSAShape(
+        num_q_heads=hi * 2,
+        num_kv_heads=1,
+        head_dim=64,
+        num_index_heads=hi,
+        num_index_key_heads=hki,
+        index_head_dim=dp,
+        topk_blocks=16,
+    )
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
     launch = index_scores.index_block_scores if phase == "decode" else index_scores_prefill.prefill_index_block_scores
@@ -143,8 +151,17 @@ TOPK_POSITIONS = [-1, 0, 5, 127, 128, 129, 1000, 2047, 2048, 4095, 70000, 131071
 @pytest.mark.parametrize("ties", [False, True])
 def test_topk_kernel_matches_reference(k, local, init, ties):
     """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win."""
-    shape = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=64, num_index_heads=4, num_index_key_heads=1,
-                     index_head_dim=64, topk_blocks=k, local_blocks=local, init_blocks=init)
+    shape = MSAShape(
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        num_index_heads=4,
+        num_index_key_heads=1,
+        index_head_dim=64,
+        topk_blocks=k,
+        local_blocks=local,
+        init_blocks=init,
+    )
     positions = torch.tensor(TOPK_POSITIONS, device="cuda")
     max_blocks = 1100
     generator = torch.Generator(device="cuda").manual_seed(k * 100 + local * 10 + init + ties)
@@ -183,14 +200,24 @@ ATTENTION_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("kernel, max_union", [("per_token", None), ("prefill", 10**6), ("prefill", 24)],
-                         ids=["per_token", "prefill", "prefill_and_per_token"])
+@pytest.mark.parametrize(
+    "kernel, max_union",
+    [("per_token", None), ("prefill", 10**6), ("prefill", 24)],
+    ids=["per_token", "prefill", "prefill_and_per_token"],
+)
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
     """prefill_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
-    shape = MSAShape(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_index_heads=hi, num_index_key_heads=1,
-                     index_head_dim=64, topk_blocks=16)
+    shape = MSAShape(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        num_index_heads=hi,
+        num_index_key_heads=1,
+        index_head_dim=64,
+        topk_blocks=16,
+    )
     q_lens, seq_lens = ATTENTION_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
     scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
@@ -199,8 +226,9 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     if kernel == "per_token":
         got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
     else:
-        got = sparse_attn_prefill.prefill_sparse_attention(case.q, case.kv_cache, case.batch, selected, shape,
-                                                           case.scale, out=out, max_union=max_union)
+        got = sparse_attn_prefill.prefill_sparse_attention(
+            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union
+        )
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
@@ -213,8 +241,15 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
 def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
     from msa_kernels import ops
 
-    shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-                     index_head_dim=128, topk_blocks=16)
+    shape = MSAShape(
+        num_q_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_index_heads=4,
+        num_index_key_heads=1,
+        index_head_dim=128,
+        topk_blocks=16,
+    )
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
     for phase in ("decode", "prefill"):
         assert ops.uses_cute_index_scores(case.index_q, shape, phase)
@@ -222,8 +257,16 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
         "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
     )
-    out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape,
-                                      case.scale, out=torch.full_like(case.q, float("nan")))
+    out, selected = ops.msa_attention(
+        case.q,
+        case.index_q,
+        case.kv_cache,
+        case.index_key_cache,
+        case.batch,
+        shape,
+        case.scale,
+        out=torch.full_like(case.q, float("nan")),
+    )
     scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
     assert torch.equal(selected, want_sel)
@@ -241,8 +284,15 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     from msa_kernels import ops
     from msa_kernels.shapes import PagedBatch
 
-    shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-                     index_head_dim=128, topk_blocks=16)
+    shape = MSAShape(
+        num_q_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_index_heads=4,
+        num_index_key_heads=1,
+        index_head_dim=128,
+        topk_blocks=16,
+    )
     seq_lens = [20000, 130, 7, 4500, 131072 - 3]
     case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
     padded = 8

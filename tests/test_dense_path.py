@@ -24,9 +24,14 @@ BATCHES = {
 
 
 def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
-    return FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=batch.num_tokens,
-                            max_query_len=max(batch.query_lens_cpu), max_seq_len=max(batch.seq_lens_cpu),
-                            dense_num_splits=num_splits)
+    return FlashMSAMetadata(
+        batch=batch,
+        slot_mapping=torch.empty(0),
+        num_actual_tokens=batch.num_tokens,
+        max_query_len=max(batch.query_lens_cpu),
+        max_seq_len=max(batch.seq_lens_cpu),
+        dense_num_splits=num_splits,
+    )
 
 
 def _want(case) -> torch.Tensor:
@@ -48,8 +53,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch_name", BATCHES)
 def test_dense_path_is_dense_causal_attention(device, batch_name):
-    shape = MSAShape(num_q_heads=16, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
-                     index_head_dim=8, topk_blocks=1)
+    shape = MSAShape(
+        num_q_heads=16,
+        num_kv_heads=2,
+        head_dim=128,
+        num_index_heads=2,
+        num_index_key_heads=1,
+        index_head_dim=8,
+        topk_blocks=1,
+    )
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q_lens, seq_lens = BATCHES[batch_name]
     case = make_case(shape, q_lens, seq_lens, dtype=dtype, device=device, seed=len(batch_name) * 31 + len(q_lens))
@@ -69,8 +81,15 @@ def test_dense_path_is_dense_causal_attention(device, batch_name):
 def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches():
     """Capture a decode step on short contexts with vLLM's split bound for graphs, replay it on up
     to 128K-token contexts and a padded batch (seq_len 0, no tokens), as vLLM's full graphs do."""
-    shape = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-                     index_head_dim=8, topk_blocks=1)
+    shape = MSAShape(
+        num_q_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_index_heads=4,
+        num_index_key_heads=1,
+        index_head_dim=8,
+        topk_blocks=1,
+    )
     seq_lens = [131072, 700, 9000]
     case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=5)
     padded, n = 4, len(seq_lens)
@@ -80,8 +99,14 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches():
     q = torch.randn(padded, *case.q.shape[1:], device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)
-    metadata = FlashMSAMetadata(batch=batch, slot_mapping=torch.empty(0), num_actual_tokens=padded, max_query_len=1,
-                                max_seq_len=130, dense_num_splits=32)
+    metadata = FlashMSAMetadata(
+        batch=batch,
+        slot_mapping=torch.empty(0),
+        num_actual_tokens=padded,
+        max_query_len=1,
+        max_seq_len=130,
+        dense_num_splits=32,
+    )
     impl = FlashMSAImpl(shape.num_q_heads, shape.head_dim, case.scale, shape.num_kv_heads)
     impl.forward(None, q, None, None, case.kv_cache.flatten(-2), metadata, out)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -81,16 +81,21 @@ def test_checkpoint_parses_as_minimax_m3_and_names_every_layer_part(m3_model, te
     assert (text_config.num_attention_heads, text_config.num_key_value_heads, text_config.head_dim) == (32, 2, 128)
     with safe_open(m3_model / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert {"model.layers.3.self_attn.index_q_proj.weight", "model.layers.3.self_attn.index_k_norm.weight",
-            "model.layers.4.block_sparse_moe.experts.7.w2.weight", "model.layers.0.mlp.gate_proj.weight"} <= names
+    assert {
+        "model.layers.3.self_attn.index_q_proj.weight",
+        "model.layers.3.self_attn.index_k_norm.weight",
+        "model.layers.4.block_sparse_moe.experts.7.w2.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+    } <= names
     assert not any(n.startswith("model.layers.2.") and ".index_" in n for n in names), "dense layer with index weights"
     assert AutoTokenizer.from_pretrained(m3_model).vocab_size == text_config.vocab_size
 
 
 def test_flash_msa_owns_vllms_m3_architecture_and_its_config_hook():
-    import vllm_msa
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    import vllm_msa
 
     vllm_msa.register()
     vllm_msa.register()  # vLLM loads plugins more than once per process: the hooks chain once
@@ -108,8 +113,16 @@ def test_m3_sparse_attention_config_maps_onto_msa_shape(schema):
     msa = MSAModelConfig.from_minimax_m3(text_config)
     assert msa.dense_layers == (0, 1, 2) and msa.sparse_layers(5) == [3, 4]
     assert msa.layer_shape(text_config) == MSAShape(
-        num_q_heads=32, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
-        index_head_dim=128, topk_blocks=4, local_blocks=1, init_blocks=0, block_size=128,
+        num_q_heads=32,
+        num_kv_heads=2,
+        head_dim=128,
+        num_index_heads=2,
+        num_index_key_heads=1,
+        index_head_dim=128,
+        topk_blocks=4,
+        local_blocks=1,
+        init_blocks=0,
+        block_size=128,
     )
     production = m3_text_config(schema, **PRESETS["production"])  # the released MiniMax-M3's shapes
     msa = MSAModelConfig.from_minimax_m3(production)
@@ -120,8 +133,10 @@ def test_m3_sparse_attention_config_maps_onto_msa_shape(schema):
     # TP 8 on 4 KV heads: vLLM's fused M3 projection gives each rank 8 query heads and the index head of its
     # replicated KV head (ranks 2h and 2h + 1 hold head h) and replicates the one index key.
     layouts = [msa.rank_layout(production, 8, rank) for rank in range(8)]
-    assert {(s.num_q_heads, s.num_kv_heads, s.num_index_heads, s.num_index_key_heads)
-            for s in (layout.shape for layout in layouts)} == {(8, 1, 1, 1)}
+    assert {
+        (s.num_q_heads, s.num_kv_heads, s.num_index_heads, s.num_index_key_heads)
+        for s in (layout.shape for layout in layouts)
+    } == {(8, 1, 1, 1)}
     assert [layout.index_heads for layout in layouts] == [range(r // 2, r // 2 + 1) for r in range(8)]
     assert all(layout.index_key_heads == range(1) for layout in layouts)
     assert [layout.counts_selections for layout in layouts] == [True, False] * 4  # one replica of each index head
@@ -132,8 +147,10 @@ def test_m3_sparse_attention_config_maps_onto_msa_shape(schema):
     [
         ({"sparse_score_type": "mean"}, ("sparse_score_type 'mean'", None)),
         ({"sparse_local_block": 0}, ("sparse_local_block must be >= 1", "index_local_blocks must be >= 1")),
-        ({"sparse_num_index_heads": 4},
-         ("sparse_num_index_heads 4 != num_key_value_heads 2", "index_n_heads 4 != num_key_value_heads 2")),
+        (
+            {"sparse_num_index_heads": 4},
+            ("sparse_num_index_heads 4 != num_key_value_heads 2", "index_n_heads 4 != num_key_value_heads 2"),
+        ),
         ({"sparse_topk_blocks": 0}, ("topk_blocks 0 < local_blocks 1", "topk_blocks 0 < local_blocks 1")),
     ],
 )
@@ -213,8 +230,11 @@ def paged_index_inputs(seq_lens, query_lens, num_heads, dim, device, seed):
     cache = torch.randn(num_pages, 128, dim, generator=gen).to(torch.bfloat16)
     index_q = torch.randn(sum(query_lens), num_heads, dim, generator=gen).to(torch.bfloat16)
     cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    batch = PagedBatch(query_start_loc=cu.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-                       block_table=table.to(device))
+    batch = PagedBatch(
+        query_start_loc=cu.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_table=table.to(device),
+    )
     return index_q.to(device), cache.to(device), batch
 
 
@@ -253,17 +273,32 @@ if CUDA:  # real Triton: whole prompts and chunks, M3's top-16
 def test_topk_blocks_equal_vllms_m3_indexer(case, monkeypatch):
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it when first imported
         test = f"{__file__}::test_topk_blocks_equal_vllms_m3_indexer[{case}]"
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT,
-                             env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=1200)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+            cwd=ROOT,
+            env=dict(os.environ, TRITON_INTERPRET="1"),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert out.returncode == 0, out.stdout[-6000:]
         return
     seq_lens, query_lens, topk, init, local = SELECTION_CASES[case]
     device = "cuda" if CUDA else "cpu"
     m3 = vllm_index_ops(monkeypatch)
     heads, dim = 2, 128
-    shape = MSAShape(num_q_heads=16 * heads, num_kv_heads=heads, head_dim=128, num_index_heads=heads,
-                     num_index_key_heads=1, index_head_dim=dim, topk_blocks=topk, local_blocks=local,
-                     init_blocks=init, block_size=128)
+    shape = MSAShape(
+        num_q_heads=16 * heads,
+        num_kv_heads=heads,
+        head_dim=128,
+        num_index_heads=heads,
+        num_index_key_heads=1,
+        index_head_dim=dim,
+        topk_blocks=topk,
+        local_blocks=local,
+        init_blocks=init,
+        block_size=128,
+    )
     for what, q_lens in (("prefill", query_lens), ("decode", [1] * len(seq_lens))):
         index_q, cache, batch = paged_index_inputs(seq_lens, q_lens, heads, dim, device, seed=len(what))
         scores = ops.index_block_scores(index_q, cache.unsqueeze(2), batch, shape)  # FLASH_MSA's index pass
@@ -273,12 +308,24 @@ def test_topk_blocks_equal_vllms_m3_indexer(case, monkeypatch):
             index_q, cache = index_q.float(), cache.float()
         if what == "prefill":
             context = seq - torch.tensor(q_lens, dtype=torch.int32, device=device)
-            vllm_scores = m3.minimax_m3_index_score(index_q, cache, batch.block_table, batch.query_start_loc, seq,
-                                                    context, max(q_lens), max(seq_lens), heads)
-            vllms = m3.minimax_m3_index_topk(vllm_scores, batch.query_start_loc, context, max(q_lens), topk, init, local)
+            vllm_scores = m3.minimax_m3_index_score(
+                index_q,
+                cache,
+                batch.block_table,
+                batch.query_start_loc,
+                seq,
+                context,
+                max(q_lens),
+                max(seq_lens),
+                heads,
+            )
+            vllms = m3.minimax_m3_index_topk(
+                vllm_scores, batch.query_start_loc, context, max(q_lens), topk, init, local
+            )
         else:
-            vllms = m3.minimax_m3_index_decode(index_q, cache, batch.block_table, seq, max(seq_lens), topk, init,
-                                               local, heads, 1, 1)
+            vllms = m3.minimax_m3_index_decode(
+                index_q, cache, batch.block_table, seq, max(seq_lens), topk, init, local, heads, 1, 1
+            )
         assert_same_blocks(ours, vllms, scores, f"{case} {what}")
 
 
@@ -293,8 +340,11 @@ LOGPROB_TOLERANCE = 0.1  # |ours - vLLM's| logprob of a shared greedy token (bf1
 
 def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None) -> dict:
     """Generate in a fresh process: vLLM's own M3 (plugin not loaded) or FLASH_MSA; see _engine_main."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model ships this module's functions
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # apply_model ships this module's functions
+    )
     if not flash_msa:
         env["VLLM_PLUGINS"] = ""  # no general plugins: vLLM's registry entry for M3 stays vLLM's
     else:  # vLLM finds plugins by their installed entry point, not on PYTHONPATH
@@ -303,7 +353,7 @@ def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None) -> di
     args = [sys.executable, __file__, str(model_dir), "FLASH_MSA" if flash_msa else "", str(compare_to or "")]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, f"engine failed ({'FLASH_MSA' if flash_msa else 'vLLM'}):\n{out.stderr[-6000:]}"
-    [result] = [line[len(RESULT):] for line in out.stdout.splitlines() if line.startswith(RESULT)]
+    [result] = [line[len(RESULT) :] for line in out.stdout.splitlines() if line.startswith(RESULT)]
     return json.loads(result)  # vLLM's engine process may log to stdout after it
 
 
@@ -335,8 +385,15 @@ def _engine_main(model_dir: str, backend: str, compare_to: str) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in PROMPT_LENS]
     prompts.append(prompts[0][:3000] + prompts[1][:200])  # shares 23 full blocks with prompt 0: prefix cache
-    llm = LLM(model=model_dir, attention_backend=backend or None, block_size=128, max_model_len=8192,
-              dtype="bfloat16", gpu_memory_utilization=0.3, seed=0)
+    llm = LLM(
+        model=model_dir,
+        attention_backend=backend or None,
+        block_size=128,
+        max_model_len=8192,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        seed=0,
+    )
     [model_class] = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__name__}")
     [classes] = llm.apply_model(layer_classes)
     cudagraphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name
@@ -355,8 +412,11 @@ def _engine_main(model_dir: str, backend: str, compare_to: str) -> None:
             if (step := first_difference(mine, theirs)) is not None:
                 context = prompts[p] + mine[:step]
                 llm.reset_prefix_cache()
-                paths[p] = {"step": step, "whole_prefill": generate(context, 1).token_ids[0],
-                            "cached_prefix_chunk": generate(context, 1).token_ids[0]}
+                paths[p] = {
+                    "step": step,
+                    "whole_prefill": generate(context, 1).token_ids[0],
+                    "cached_prefix_chunk": generate(context, 1).token_ids[0],
+                }
     [unused] = llm.apply_model(functools.partial(unused_checkpoint_tensors, model_dir))  # reloads: after generating
     result = {
         "model_class": model_class,
@@ -411,8 +471,10 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
             f"tie and vLLM's own paths of that context pick {own} (FLASH_MSA: {mine[step]})"
         )
     exact = sum(mine == vllm_tokens for mine, vllm_tokens in zip(ours["tokens"], theirs["tokens"]))
-    print(f"greedy tokens equal on {exact} of the {len(ours['tokens'])} prompts; first differences: "
-          f"{theirs['own_paths_at_first_difference']}")
+    print(
+        f"greedy tokens equal on {exact} of the {len(ours['tokens'])} prompts; first differences: "
+        f"{theirs['own_paths_at_first_difference']}"
+    )
 
 
 if __name__ == "__main__":

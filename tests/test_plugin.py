@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flash_msa_resolves_like_a_builtin_backend_and_unknown_names_still_fail():
-    import vllm_msa
     from vllm.config.attention import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import vllm_msa
     from vllm_msa.backend import FlashMSABackend
 
     vllm_msa.register()
@@ -29,8 +30,9 @@ def test_flash_msa_resolves_like_a_builtin_backend_and_unknown_names_still_fail(
 
 
 def test_config_with_flash_msa_unpickles_in_a_process_that_never_loaded_the_plugin():
-    import vllm_msa
     from vllm.config.attention import AttentionConfig
+
+    import vllm_msa
 
     vllm_msa.register()
     payload = pickle.dumps(AttentionConfig(backend="FLASH_MSA"))
@@ -56,7 +58,9 @@ def test_vllm_cli_rejects_an_unknown_backend_name(demo_model):
     vllm = Path(sys.executable).with_name("vllm")
     out = subprocess.run(
         [str(vllm), "serve", str(demo_model), "--attention-backend", "NO_SUCH_BACKEND", "--port", "1"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode != 0
     assert "Unknown attention backend: 'NO_SUCH_BACKEND'" in out.stdout + out.stderr
@@ -123,8 +127,15 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
 
     hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))
     shape = MSAModelConfig.from_hf_config(hf).layer_shape(hf)
-    assert shape == MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-                             index_head_dim=128, topk_blocks=16)
+    assert shape == MSAShape(
+        num_q_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_index_heads=4,
+        num_index_key_heads=1,
+        index_head_dim=128,
+        topk_blocks=16,
+    )
 
 
 def test_metrics_count_no_padding_tokens(monkeypatch):
@@ -138,8 +149,11 @@ def test_metrics_count_no_padding_tokens(monkeypatch):
     positions = torch.tensor([300, 200])
     plain, padded = StepStats(torch.device("cpu"), "m"), StepStats(torch.device("cpu"), "m")
     plain.record(selected, positions, 128)
-    padded.record(torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
-                  torch.cat([positions, torch.full((3,), -1)]), 128)
+    padded.record(
+        torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
+        torch.cat([positions, torch.full((3,), -1)]),
+        128,
+    )
     assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2
 
 
@@ -160,10 +174,13 @@ def test_tensor_parallel_ranks_hold_the_heads_their_query_heads_need():
     assert msa.rank_layout(hf, 2, 1).describe(2) == "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1"
 
 
-@pytest.mark.parametrize("tp, message", [
-    (3, "num_attention_heads 8 is not divisible by --tensor-parallel-size 3"),
-    (16, "num_attention_heads 8 is not divisible by --tensor-parallel-size 16"),
-])
+@pytest.mark.parametrize(
+    "tp, message",
+    [
+        (3, "num_attention_heads 8 is not divisible by --tensor-parallel-size 3"),
+        (16, "num_attention_heads 8 is not divisible by --tensor-parallel-size 16"),
+    ],
+)
 def test_tensor_parallel_sizes_the_heads_cannot_follow_are_refused_by_name(tp, message):
     hf = _HF(msa_config=MSA)
     with pytest.raises(MSAConfigError, match=message):
@@ -181,6 +198,7 @@ def test_sizing_reads_the_cache_specs_vllm_allocates(demo_model):
     # bf16: K/V 2 x Hkv 2 x D 32 x 2 B in 4 layers; index keys Dp 32 x 2 B in the 3 MSA layers
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=1) == (4 * 256, 3 * 64)
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=2) == (4 * 128, 3 * 64)  # 1 KV head per rank
-    report = sizing.size(demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16",
-                         contexts=[4096])
+    report = sizing.size(
+        demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16", contexts=[4096]
+    )
     assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in report

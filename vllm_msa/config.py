@@ -14,10 +14,16 @@ serve stops `vllm serve` before any engine process starts, with a message naming
 """
 
 from dataclasses import MISSING, dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
 
 from msa_kernels.shapes import MSAShape
-from vllm.logger import init_logger
 from vllm_msa import compat
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
@@ -41,7 +47,7 @@ class MSAModelConfig:
     dense_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, hf_config) -> "MSAModelConfig":
+    def from_hf_config(cls, hf_config: "PretrainedConfig") -> "MSAModelConfig":
         raw = getattr(hf_config, "msa_config", None)
         if not isinstance(raw, dict):
             raise MSAConfigError(
@@ -69,7 +75,7 @@ class MSAModelConfig:
         return config
 
     @classmethod
-    def from_minimax_m3(cls, text_config) -> "MSAModelConfig":
+    def from_minimax_m3(cls, text_config: "PretrainedConfig") -> "MSAModelConfig":
         """MiniMax-M3's sparse-attention fields as vLLM reads them (compat.m3_sparse_fields) as MSA.
 
         One shared index key (Hki 1), index heads == KV heads (vLLM's fused M3 projection requires it),
@@ -109,7 +115,7 @@ class MSAModelConfig:
     def is_sparse(self, layer_index: int) -> bool:
         return layer_index not in self.dense_layers
 
-    def rank_layout(self, hf_config, tp_size: int = 1, tp_rank: int = 0) -> "RankLayout":
+    def rank_layout(self, hf_config: "PretrainedConfig", tp_size: int = 1, tp_rank: int = 0) -> "RankLayout":
         """What one tensor-parallel rank of an MSA layer holds. Heads split as vLLM splits attention heads:
         query heads evenly; KV, index and index-key heads evenly where the TP size divides their count,
         else (a count that divides the TP size) replicated, head h on the TP/count consecutive ranks from
@@ -122,16 +128,23 @@ class MSAModelConfig:
             )
         kv = _rank_heads(full.num_kv_heads, tp_size, tp_rank, "num_key_value_heads")
         index = _rank_heads(full.num_index_heads, tp_size, tp_rank, "the index heads (num_index_heads)")
-        index_keys = _rank_heads(full.num_index_key_heads, tp_size, tp_rank, "the index key heads (num_index_key_heads)")
+        index_keys = _rank_heads(
+            full.num_index_key_heads, tp_size, tp_rank, "the index key heads (num_index_key_heads)"
+        )
         try:
-            shape = replace(full, num_q_heads=full.num_q_heads // tp_size, num_kv_heads=len(kv),
-                            num_index_heads=len(index), num_index_key_heads=len(index_keys))
+            shape = replace(
+                full,
+                num_q_heads=full.num_q_heads // tp_size,
+                num_kv_heads=len(kv),
+                num_index_heads=len(index),
+                num_index_key_heads=len(index_keys),
+            )
         except ValueError as e:
             raise MSAConfigError(f"msa_config cannot be split over --tensor-parallel-size {tp_size}: {e}") from None
         replicas = max(1, tp_size // full.num_index_heads)  # ranks holding the same index heads
         return RankLayout(shape, index, index_keys, counts_selections=tp_rank % replicas == 0)
 
-    def layer_shape(self, hf_config) -> MSAShape:
+    def layer_shape(self, hf_config: "PretrainedConfig") -> MSAShape:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         try:
@@ -162,8 +175,10 @@ class RankLayout:
 
     def describe(self, tp_size: int) -> str:
         s = self.shape
-        return (f"per rank of {tp_size}: Hq {s.num_q_heads}, Hkv {s.num_kv_heads}, index heads {s.num_index_heads}, "
-                f"index key heads {s.num_index_key_heads}")
+        return (
+            f"per rank of {tp_size}: Hq {s.num_q_heads}, Hkv {s.num_kv_heads}, index heads {s.num_index_heads}, "
+            f"index key heads {s.num_index_key_heads}"
+        )
 
 
 def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
@@ -173,19 +188,17 @@ def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
         per_rank = total // tp_size
         return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
     if tp_size % total:
-        raise MSAConfigError(
-            f"--tensor-parallel-size {tp_size} is neither a divisor nor a multiple of {what} {total}"
-        )
+        raise MSAConfigError(f"--tensor-parallel-size {tp_size} is neither a divisor nor a multiple of {what} {total}")
     head = tp_rank // (tp_size // total)
     return range(head, head + 1)
 
 
-def flash_msa_selected(vllm_config) -> bool:
+def flash_msa_selected(vllm_config: "VllmConfig") -> bool:
     """Whether `--attention-backend FLASH_MSA` was given."""
     return getattr(vllm_config.attention_config.backend, "name", None) == "FLASH_MSA"
 
 
-def check_serving_config(vllm_config) -> None:
+def check_serving_config(vllm_config: "VllmConfig") -> None:
     """Validate msa_config, --block-size and the tensor-parallel split for FlashMSAForCausalLM; pin the block
     size. Pipeline parallelism splits layers, which MSA layers allow as any others."""
     hf_config = vllm_config.model_config.hf_config
@@ -194,7 +207,7 @@ def check_serving_config(vllm_config) -> None:
     msa.rank_layout(hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
 
-def check_minimax_m3_serving_config(vllm_config) -> None:
+def check_minimax_m3_serving_config(vllm_config: "VllmConfig") -> None:
     """The same for MiniMax-M3 under FLASH_MSA; with any other backend vLLM's own M3 path runs untouched.
 
     vLLM captures M3 with its breakable CUDA graphs: FLASH_MSA's MSA op is an eager break of those
@@ -208,7 +221,7 @@ def check_minimax_m3_serving_config(vllm_config) -> None:
     msa.rank_layout(text_config, vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _check_cache(vllm_config, msa: MSAModelConfig) -> None:
+def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
     if msa.block_size not in SERVED_BLOCK_SIZES:
         raise MSAConfigError(
             f"msa_config.block_size {msa.block_size} is not served: FLASH_MSA keeps one MSA block per KV page "

@@ -5,14 +5,14 @@ the same KV cache group as the layer's K/V: same pages, same block table. Prefix
 preemption and chunked prefill therefore keep index keys and K/V consistent without extra code.
 """
 
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, MLAAttentionSpec
+
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadataBuilder
 
@@ -27,7 +27,7 @@ class IndexKeyCacheBackend(AttentionBackend):
         return "FLASH_MSA_INDEX_KEYS"
 
     @staticmethod
-    def get_impl_cls():
+    def get_impl_cls() -> NoReturn:
         raise NotImplementedError("the index-key cache is written and read by its MSA layer's MSAImpl")
 
     @staticmethod

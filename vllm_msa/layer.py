@@ -12,16 +12,16 @@ selection log.
 import torch
 from torch import nn
 from torch.library import Library
-
-from msa_kernels.shapes import MSAShape
 from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, MSAImpl
 from vllm_msa.config import MSAConfigError, RankLayout
-from vllm_msa.observer import OBSERVER
 from vllm_msa.index_key_cache import IndexKeyCache
+from vllm_msa.observer import OBSERVER
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
@@ -63,7 +63,15 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         torch.ops.vllm_msa.msa_attention(q, k, v, index_q, index_k, output, self.layer_name)
         return output
 
-    def run(self, q, k, v, index_q, index_k, output) -> None:
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
         attn_metadata = compat.step_attn_metadata()
         if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
             output.zero_()
@@ -72,36 +80,62 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         metadata, index_metadata = attn_metadata[self.layer_name], attn_metadata[self.index_key_cache.prefix]
         index_key_cache = self.index_key_cache.pages()
         step = OBSERVER.layer_step(self.layer_name, q.device)
-        impl.write_caches(k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim),
-                          index_k.view(-1, s.num_index_key_heads, s.index_head_dim), self.kv_cache, index_key_cache,
-                          metadata, index_metadata)
+        impl.write_caches(
+            k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim),
+            index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
+            self.kv_cache,
+            index_key_cache,
+            metadata,
+            index_metadata,
+        )
         step.mark()  # the selection starts
         selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, index_metadata)
         step.mark()  # the attention starts
-        impl.attend(q.view(-1, s.num_q_heads, s.head_dim), self.kv_cache, metadata, selected,
-                    output.view(-1, s.num_q_heads, s.head_dim))
+        impl.attend(
+            q.view(-1, s.num_q_heads, s.head_dim),
+            self.kv_cache,
+            metadata,
+            selected,
+            output.view(-1, s.num_q_heads, s.head_dim),
+        )
         step.done(selected, metadata)
 
 
 def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
     """The K/V cache spec FLASH_MSA gives vLLM for a layer of this (per-rank) shape, MSA or dense."""
     return FlashMSABackend.customize_spec(
-        FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
-                          head_size_v=shape.head_dim, dtype=dtype)
+        FullAttentionSpec(
+            block_size=shape.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_dim,
+            head_size_v=shape.head_dim,
+            dtype=dtype,
+        )
     )
 
 
 @compat.eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
 def _msa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
-    output: torch.Tensor, layer_name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
 ) -> None:
     compat.step_layer(layer_name).run(q, k, v, index_q, index_k, output)
 
 
 def _msa_attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
-    output: torch.Tensor, layer_name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
 ) -> None:
     return None
 

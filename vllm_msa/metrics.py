@@ -40,12 +40,13 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at start-up about VLLM_* names it does not know
 READ_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -217,9 +218,11 @@ class MSACollector:
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def collect(self):
-        counters = {name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"])
-                    for name, doc in (COUNTERS | TIMING).items()}
+    def collect(self) -> Iterator[Metric]:
+        counters = {
+            name: CounterMetricFamily(f"vllm:msa_{name}", doc, labels=["model_name"])
+            for name, doc in (COUNTERS | TIMING).items()
+        }
         fraction = HistogramMetricFamily(
             "vllm:msa_read_fraction",
             "Per FLASH_MSA selection: context tokens read / visible context tokens.",

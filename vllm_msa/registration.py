@@ -26,7 +26,7 @@ class BackendPath(str):
     """The FLASH_MSA member's value; unpickling it imports this module first."""
 
 
-def add_backend_name():
+def add_backend_name() -> compat.AttentionBackendEnum:
     return compat.register_backend_name(BACKEND_NAME, BackendPath(BACKEND_CLASS))
 
 

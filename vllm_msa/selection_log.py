@@ -17,11 +17,16 @@ the request slot, which the metadata maps rows to (PagedBatch.request_keys). It 
 Logging costs a host copy of the marked rows' selections, and nothing while no marked request is running.
 """
 
-import torch
+from typing import TYPE_CHECKING
 
+import torch
 from vllm import SamplingParams
 from vllm.logger import init_logger
+
 from vllm_msa.compat import LOGITS_PROCESSOR_API, LogitsProcessor, process_dict_updates
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.msa.selection")  # under "vllm" so vLLM's log handlers print it
 REQUEST_KEY = "msa_log_selected_blocks"
@@ -42,7 +47,7 @@ class SelectionLog(LogitsProcessor):
         if label is not None and not (isinstance(label, str) and label):
             raise ValueError(f"vllm_xargs.{REQUEST_KEY} must be a non-empty string label, got {label!r}")
 
-    def __init__(self, vllm_config, *runner_state) -> None:
+    def __init__(self, vllm_config: "VllmConfig", *runner_state: object) -> None:
         labels_by_key.clear()
 
     if LOGITS_PROCESSOR_API == 1:
@@ -71,7 +76,10 @@ class SelectionLog(LogitsProcessor):
 
 
 def log_selection(
-    layer_name: str, selected: torch.Tensor, query_start_loc: list[int], seq_lens: torch.Tensor,
+    layer_name: str,
+    selected: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: torch.Tensor,
     request_keys: list[int] | None,
 ) -> None:
     """Log the marked rows' last-token selections; selected [T, Hi, K], -1 padded. request_keys: per batch row,

@@ -19,13 +19,17 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_msa import compat
 from vllm_msa.config import MSAModelConfig
-from vllm_msa.layer import kv_cache_spec
 from vllm_msa.index_key_cache import index_key_cache_spec
+from vllm_msa.layer import kv_cache_spec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GIB = 1 << 30
 
@@ -42,7 +46,7 @@ class Layout:
         return f"TP {self.tp} x PP {self.pp} x DP {self.dp}{ep} ({self.tp * self.pp * self.dp} GPUs)"
 
 
-def load(model_dir: Path):
+def load(model_dir: Path) -> tuple["PretrainedConfig", MSAModelConfig, bool]:
     """(text config as vLLM reads it, MSAModelConfig, is MiniMax-M3)."""
     config = compat.load_hf_config(str(model_dir))
     text = config.get_text_config()
@@ -51,7 +55,7 @@ def load(model_dir: Path):
     return text, MSAModelConfig.from_minimax_m3(text), True
 
 
-def cache_bytes_per_token(text, msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
+def cache_bytes_per_token(text: "PretrainedConfig", msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
     """(K/V, index keys) bytes per context token of one rank holding these layers (its TP rank 0)."""
     dtype = torch.bfloat16
     layout = msa.rank_layout(text, tp, 0)
@@ -65,8 +69,16 @@ def cache_bytes_per_token(text, msa: MSAModelConfig, layers: range, tp: int) -> 
     return kv, index_keys
 
 
-def weight_bytes(text, msa: MSAModelConfig, layers: range, layout: Layout, m3: bool, weight_bytes_per: int,
-                 first_stage: bool, last_stage: bool) -> int:
+def weight_bytes(
+    text: "PretrainedConfig",
+    msa: MSAModelConfig,
+    layers: range,
+    layout: Layout,
+    m3: bool,
+    weight_bytes_per: int,
+    first_stage: bool,
+    last_stage: bool,
+) -> int:
     """Bytes of the weights one rank holds: linear layers at weight_bytes_per per parameter, the rest bf16
     (embeddings on the first pipeline stage, the LM head on the last, both split over TP)."""
     h, tp = text.hidden_size, layout.tp
@@ -102,28 +114,36 @@ def weight_bytes(text, msa: MSAModelConfig, layers: range, layout: Layout, m3: b
     return int(linear * weight_bytes_per + other * 2)
 
 
-def size(model_dir: Path, layout: Layout, gpu_gib: float, utilization: float, weight_dtype: str,
-         contexts: list[int]) -> str:
+def size(
+    model_dir: Path, layout: Layout, gpu_gib: float, utilization: float, weight_dtype: str, contexts: list[int]
+) -> str:
     text, msa, m3 = load(model_dir)
     msa.rank_layout(text, layout.tp, 0)  # refuses a split FLASH_MSA cannot serve, naming the sizes
     per = {"bf16": 2, "fp8": 1}[weight_dtype]
-    lines = [f"{model_dir.name}: {text.num_hidden_layers} layers ({len(msa.sparse_layers(text.num_hidden_layers))} MSA), "
-             f"{layout.describe()}, {weight_dtype} weights, bf16 caches, {gpu_gib:g} GiB x {utilization:g}",
-             f"heads {msa.rank_layout(text, layout.tp, 0).describe(layout.tp)}",
-             "| stage | layers | K/V B/token | index keys B/token | weights GiB | cache GiB | tokens that fit | "
-             + " | ".join(f"sequences of {c}" for c in contexts) + " |",
-             "|---" * (6 + len(contexts)) + "|---|"]
+    lines = [
+        f"{model_dir.name}: {text.num_hidden_layers} layers ({len(msa.sparse_layers(text.num_hidden_layers))} MSA), "
+        f"{layout.describe()}, {weight_dtype} weights, bf16 caches, {gpu_gib:g} GiB x {utilization:g}",
+        f"heads {msa.rank_layout(text, layout.tp, 0).describe(layout.tp)}",
+        "| stage | layers | K/V B/token | index keys B/token | weights GiB | cache GiB | tokens that fit | "
+        + " | ".join(f"sequences of {c}" for c in contexts)
+        + " |",
+        "|---" * (6 + len(contexts)) + "|---|",
+    ]
     for stage, layers in enumerate(compat.pipeline_layers(text.num_hidden_layers, layout.pp)):
         kv, index_keys = cache_bytes_per_token(text, msa, layers, layout.tp)
         weights = weight_bytes(text, msa, layers, layout, m3, per, stage == 0, stage == layout.pp - 1)
         cache = gpu_gib * GIB * utilization - weights
         tokens = max(0, int(cache // (kv + index_keys)))
         fits = [f"{tokens / c:.1f}" for c in contexts]
-        lines.append(f"| {stage} | {layers.start}-{layers.stop - 1} | {kv} | {index_keys} | {weights / GIB:.1f} | "
-                     f"{max(cache, 0) / GIB:.1f} | {tokens} | " + " | ".join(fits) + " |")
+        lines.append(
+            f"| {stage} | {layers.start}-{layers.stop - 1} | {kv} | {index_keys} | {weights / GIB:.1f} | "
+            f"{max(cache, 0) / GIB:.1f} | {tokens} | " + " | ".join(fits) + " |"
+        )
     if m3 and (layout.tp > 1 or layout.pp > 1):
-        lines.append("(FLASH_MSA serves MiniMax-M3 at tensor and pipeline parallel size 1 so far: these are the "
-                     "sizes the head-split rules give)")
+        lines.append(
+            "(FLASH_MSA serves MiniMax-M3 at tensor and pipeline parallel size 1 so far: these are the "
+            "sizes the head-split rules give)"
+        )
     return "\n".join(lines)
 
 
@@ -143,10 +163,12 @@ def main() -> None:
         parser.error("parallel sizes must be >= 1")
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"{args.model_dir} has no config.json")
-    layout = Layout(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
-                    args.enable_expert_parallel)
-    print(size(args.model_dir, layout, args.gpu_memory_gib, args.gpu_memory_utilization, args.weight_dtype,
-               args.contexts))
+    layout = Layout(
+        args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, args.enable_expert_parallel
+    )
+    print(
+        size(args.model_dir, layout, args.gpu_memory_gib, args.gpu_memory_utilization, args.weight_dtype, args.contexts)
+    )
 
 
 if __name__ == "__main__":

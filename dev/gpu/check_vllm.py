@@ -1,4 +1,5 @@
-"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after `source dev/gpu/install_vllm.sh`).
+"""Smoke test of the staged vLLM (0.34.0, with torch 2.14.0 and its NCCL) on the GPU machine (after
+`source dev/gpu/install_vllm.sh`).
 
     python3 dev/gpu/check_vllm.py
 
@@ -10,6 +11,7 @@ replayed from a CUDA graph; the MiniMax-M3 sparse ops import (common/ops: Triton
 CuTeDSL + quack) and the Triton sparse decode kernel matches PyTorch; flashinfer and CuTeDSL import;
 vLLM's requirements are met by what is installed. Exit status 1 if any check FAILs.
 """
+
 import importlib
 import os
 import sys
@@ -26,7 +28,7 @@ def check(name, fatal=False):
         try:
             msg = fn()
             status = "WARN" if isinstance(msg, str) and msg.startswith("WARN") else "PASS"
-        except Exception as e:  # noqa: BLE001 - report every failure and go on
+        except Exception as e:  # report every failure and go on
             status, msg = "FAIL", f"{type(e).__name__}: {e}"
             if os.environ.get("CHECK_VLLM_TRACEBACK"):
                 traceback.print_exc()
@@ -36,14 +38,18 @@ def check(name, fatal=False):
         if fatal and status == "FAIL":
             summary()
         return fn
+
     return wrap
 
 
 def summary():
     bad = [n for n, s in results if s == "FAIL"]
     warn = [n for n, s in results if s == "WARN"]
-    print(f"check_vllm: {len(results) - len(bad) - len(warn)} passed, {len(bad)} failed, {len(warn)} warned"
-          + (f"; failed: {', '.join(bad)}" if bad else ""), flush=True)
+    print(
+        f"check_vllm: {len(results) - len(bad) - len(warn)} passed, {len(bad)} failed, {len(warn)} warned"
+        + (f"; failed: {', '.join(bad)}" if bad else ""),
+        flush=True,
+    )
     sys.exit(1 if bad else 0)
 
 
@@ -52,8 +58,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's kernels package
 from msa_kernels.bench.timing import timed  # noqa: E402
 
-print(f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
-      f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", flush=True)
+print(
+    f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+    f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
+    flush=True,
+)
 if not torch.cuda.is_available():
     print("[FAIL] no CUDA device visible to torch")
     sys.exit(1)
@@ -65,19 +74,23 @@ dev = torch.device("cuda")
 @check("import vllm", fatal=True)
 def _():
     import vllm
+
     where = os.path.dirname(vllm.__file__)
     assert vllm.__version__.startswith("0.34."), f"version {vllm.__version__}"
-    assert torch.__version__.startswith("2.14.0"), f"torch {torch.__version__} from {torch.__file__}: not the staged 2.14.0"
+    assert torch.__version__.startswith("2.14.0"), (
+        f"torch {torch.__version__} from {torch.__file__}: not the staged 2.14.0"
+    )
     return f"vllm {vllm.__version__} from {where}"
 
 
 @check("vllm CUDA extensions (_C_stable_libtorch, _moe_C_stable_libtorch)", fatal=True)
 def _():
-    import vllm._C_stable_libtorch  # noqa: F401
-    import vllm._moe_C_stable_libtorch  # noqa: F401
+    import vllm._C_stable_libtorch
+    import vllm._moe_C_stable_libtorch
     from vllm.platforms import current_platform
+
     assert current_platform.is_cuda(), f"vLLM picked platform {current_platform.__class__.__name__}"
-    so = open(vllm._C_stable_libtorch.__file__, "rb").read()
+    so = Path(vllm._C_stable_libtorch.__file__).read_bytes()
     assert b"libcudart.so.13" in so, "does not link libcudart.so.13"
     assert hasattr(torch.ops._C, "rotary_embedding"), "torch.ops._C.rotary_embedding is not registered"
     return f"platform {current_platform.__class__.__name__}, torch.ops._C registered, links libcudart.so.13"
@@ -85,12 +98,15 @@ def _():
 
 @check("FLASH_ATTN backend and FlashAttention version", fatal=True)
 def _():
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.vllm_flash_attn import flash_attn_interface as fai
+
     cls = AttentionBackendEnum.FLASH_ATTN.get_class()
     v = get_flash_attn_version()
-    note = f"{cls.__name__}; FA{v} chosen; FA2 {'present' if fai.FA2_AVAILABLE else 'absent (dropped by stage_vllm.sh)'}"
+    note = (
+        f"{cls.__name__}; FA{v} chosen; FA2 {'present' if fai.FA2_AVAILABLE else 'absent (dropped by stage_vllm.sh)'}"
+    )
     if cap[0] == 9:
         assert fai.FA3_AVAILABLE, f"FA3 unavailable: {fai.FA3_UNAVAILABLE_REASON}"
         assert v == 3, f"expected FA3 on sm_90, got FA{v}"
@@ -110,8 +126,9 @@ def ref_attention(q, k, v, scale):  # q [Lq, H, D], k/v [Lk, Hkv, D]; causal, bo
 
 @check("FA3 paged attention (2 sequences, bf16, block 128, GQA 32/8, D=128) vs PyTorch, eager and CUDA graph")
 def _():
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
     torch.manual_seed(0)
     H, HKV, D, BS = 32, 8, 128, 128
     q_lens, k_lens = [7, 1], [300, 1000]  # a chunked prefill and a decode
@@ -123,28 +140,40 @@ def _():
     block_table = torch.zeros(len(k_lens), max(nblk), dtype=torch.int32, device=dev)
     o = 0
     for i, n in enumerate(nblk):
-        block_table[i, :n] = perm[o:o + n]
+        block_table[i, :n] = perm[o : o + n]
         o += n
     q = torch.randn(sum(q_lens), H, D, device=dev, dtype=torch.bfloat16)
     cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
     seqused_k = torch.tensor(k_lens, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
-    scale = D ** -0.5
+    scale = D**-0.5
     fa_version = get_flash_attn_version()
 
     def run():
-        flash_attn_varlen_func(q, k_cache, v_cache, max_seqlen_q=max(q_lens), cu_seqlens_q=cu_q,
-                               max_seqlen_k=max(k_lens), seqused_k=seqused_k, softmax_scale=scale,
-                               causal=True, block_table=block_table, out=out, fa_version=fa_version)
+        flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            max_seqlen_q=max(q_lens),
+            cu_seqlens_q=cu_q,
+            max_seqlen_k=max(k_lens),
+            seqused_k=seqused_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=block_table,
+            out=out,
+            fa_version=fa_version,
+        )
+
     run()
     torch.cuda.synchronize()
     err = 0.0
     for i in range(len(q_lens)):
-        pages = block_table[i, :nblk[i]].long()
-        k = k_cache[pages].reshape(-1, HKV, D)[:k_lens[i]]
-        v = v_cache[pages].reshape(-1, HKV, D)[:k_lens[i]]
-        ref = ref_attention(q[cu_q[i]:cu_q[i + 1]], k, v, scale)
-        err = max(err, (out[cu_q[i]:cu_q[i + 1]].float() - ref).abs().max().item())
+        pages = block_table[i, : nblk[i]].long()
+        k = k_cache[pages].reshape(-1, HKV, D)[: k_lens[i]]
+        v = v_cache[pages].reshape(-1, HKV, D)[: k_lens[i]]
+        ref = ref_attention(q[cu_q[i] : cu_q[i + 1]], k, v, scale)
+        err = max(err, (out[cu_q[i] : cu_q[i + 1]].float() - ref).abs().max().item())
     assert err < 2e-2, f"max abs error {err:.3g} vs PyTorch"
     eager = out.clone()
     us = timed(run) * 1e6
@@ -184,6 +213,7 @@ def _():
 def _():
     from vllm.models.minimax_m3.common.ops import minimax_m3_sparse_attn_decode
     from vllm.models.minimax_m3.common.ops.sparse_attn import SPARSE_BLOCK_SIZE as BS
+
     torch.manual_seed(0)
     H, HKV, D = 16, 2, 128
     seq_lens = [200, 1000, 37]
@@ -194,26 +224,27 @@ def _():
     block_table = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32, device=dev)
     o = 0
     for i, n in enumerate(nblk):
-        block_table[i, :n] = perm[o:o + n]
+        block_table[i, :n] = perm[o : o + n]
         o += n
     topk = max(nblk)
     topk_idx = torch.arange(topk, dtype=torch.int32, device=dev).expand(HKV, len(seq_lens), topk).contiguous()
     q = torch.randn(len(seq_lens), H, D, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    scale = D ** -0.5
+    scale = D**-0.5
 
     def run():
         minimax_m3_sparse_attn_decode(q, kv_cache, topk_idx, block_table, sl, HKV, scale, out, decode_query_len=1)
+
     t = time.perf_counter()
     run()
     torch.cuda.synchronize()
     first = time.perf_counter() - t
     err = 0.0
     for i, n in enumerate(nblk):
-        kv = kv_cache[block_table[i, :n].long()].permute(0, 2, 1, 3).reshape(-1, HKV, 2 * D)[:seq_lens[i]]
-        ref = ref_attention(q[i:i + 1], kv[..., :D], kv[..., D:], scale)
-        err = max(err, (out[i:i + 1].float() - ref).abs().max().item())
+        kv = kv_cache[block_table[i, :n].long()].permute(0, 2, 1, 3).reshape(-1, HKV, 2 * D)[: seq_lens[i]]
+        ref = ref_attention(q[i : i + 1], kv[..., :D], kv[..., D:], scale)
+        err = max(err, (out[i : i + 1].float() - ref).abs().max().item())
     us = timed(run) * 1e6
     msg = f"max abs error {err:.2e}; first call (Triton compile) {first:.1f} s, then {us:.1f} us"
     if err > 2e-2:
@@ -226,20 +257,36 @@ def _():
     import cutlass
     import flashinfer
     import quack
-    return (f"flashinfer {getattr(flashinfer, '__version__', '?')}, cutlass-dsl {getattr(cutlass, '__version__', '?')}, "
-            f"quack {getattr(quack, '__version__', '?')}")
+
+    return (
+        f"flashinfer {getattr(flashinfer, '__version__', '?')}, cutlass-dsl {getattr(cutlass, '__version__', '?')}, "
+        f"quack {getattr(quack, '__version__', '?')}"
+    )
 
 
 @check("requirements of the kit's packages met by what is installed")
 def _():
     from importlib import metadata
-    from packaging.requirements import Requirement
+
     import vllm
+    from packaging.requirements import Requirement
+
     site = os.path.dirname(os.path.dirname(vllm.__file__))
-    dropped = {"tokenspeed-mla", "tilelang", "humming-kernels", "pynvvideocodec", "torchcodec",
-               "nvidia-cutlass-dsl-libs-cu12"}
-    extras = {"fastapi": {"standard"}, "mistral-common": {"image"}, "nvidia-cutlass-dsl": {"cu13"},
-              "quack-kernels": {"cu13"}, "uvicorn": {"standard"}}
+    dropped = {
+        "tokenspeed-mla",
+        "tilelang",
+        "humming-kernels",
+        "pynvvideocodec",
+        "torchcodec",
+        "nvidia-cutlass-dsl-libs-cu12",
+    }
+    extras = {
+        "fastapi": {"standard"},
+        "mistral-common": {"image"},
+        "nvidia-cutlass-dsl": {"cu13"},
+        "quack-kernels": {"cu13"},
+        "uvicorn": {"standard"},
+    }
     norm = lambda n: n.lower().replace("_", "-").replace(".", "-")  # noqa: E731
     kit = [d for d in metadata.distributions() if str(d.locate_file("")).rstrip("/") == site.rstrip("/")]
     problems = []

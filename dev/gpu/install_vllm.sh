@@ -1,3 +1,4 @@
+# shellcheck shell=bash  # sourced, not run: no shebang names the shell
 # On the GPU machine, sourced (after recv_vllm.sh has collected every part): join the parts, check
 # them, unpack the wheels and install them into /tmp/site (VLLM_SITE overrides), then set
 # PYTHONPATH and PATH. Safe to source again on a warm machine: it skips an install already done.
@@ -11,7 +12,7 @@ if [ -z "$_vsha" ]; then
 fi
 if [ "$(cat "$_vsite/.devkit-vllm-ok" 2>/dev/null)" != "$_vsha" ]; then
   _vt=$SECONDS
-  _vn=$(cut -d' ' -f2 "$_vk/SHA256"); _vhave=$(ls "$_vk"/part* 2>/dev/null | wc -l)
+  _vn=$(cut -d' ' -f2 "$_vk/SHA256"); _vhave=$(find "$_vk" -maxdepth 1 -name 'part*' | wc -l)
   if [ "$_vhave" != "$_vn" ] || ! (cat "$_vk"/part* | sha256sum | grep -q "^$_vsha "); then
     echo "devkit-vllm: $_vhave of $_vn parts, or corrupt (the machine went cold between calls?): send every part again" >&2
     return 1
@@ -26,7 +27,7 @@ if [ "$(cat "$_vsite/.devkit-vllm-ok" 2>/dev/null)" != "$_vsha" ]; then
   else  # Python's lzma, where no xz binary is installed
     cat "$_vk"/part* | python3 -c 'import lzma, sys, tarfile; tarfile.open(fileobj=lzma.open(sys.stdin.buffer), mode="r|").extractall(sys.argv[1])' "$_vk/w" || return 1
   fi
-  echo "devkit-vllm: unpacked $(ls "$_vk"/w/*.whl | wc -l) wheels in $((SECONDS - _vt)) s; installing into $_vsite"
+  echo "devkit-vllm: unpacked $(find "$_vk/w" -maxdepth 1 -name '*.whl' | wc -l) wheels in $((SECONDS - _vt)) s; installing into $_vsite"
   if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$_vsite" \
       "$_vk"/w/*.whl > "$_vk/pip.log" 2>&1 || ! [ -f "$_vsite/vllm/_C_stable_libtorch.abi3.so" ]; then
     cat "$_vk/pip.log" >&2; echo "devkit-vllm: pip did not install the kit into $_vsite" >&2; return 1

@@ -14,6 +14,7 @@ deflate needs 37 MB), removes DROP_FILES from the vllm wheel, with their RECORD 
 PIN_OVERRIDES to its METADATA (RECORD rehashed). Other hashes in RECORD stay valid: they are of the
 uncompressed file contents.
 """
+
 import base64
 import hashlib
 import json
@@ -51,7 +52,7 @@ FORCE = {
     "triton": "the Triton that torch 2.14.0 pins; the image has 3.6.0",
     "nvidia-nccl-cu13": "torch 2.14.0 fails at import on the image's NCCL 2.28.9 (undefined symbol ncclCommResume)",
     "torchvision": "vLLM's M3 model module imports it; the image's 0.26 (for torch 2.11) fails beside torch 2.14 "
-                   "(operator torchvision::nms does not exist)",
+    "(operator torchvision::nms does not exist)",
     "typing-extensions": "pydantic 2.14 (carried) needs >=4.16.0; the GPU image's version is not recorded",
 }
 
@@ -67,20 +68,31 @@ PIN_OVERRIDES = {
     "flashinfer-python==0.7.3": ("flashinfer-python==0.7.4", "0.7.3 is not on PyPI; 0.7.4 is the next release"),
 }
 
-ENV = dict(python_version="3.12", python_full_version="3.12.3", platform_machine="x86_64",
-           sys_platform="linux", platform_system="Linux", os_name="posix", implementation_name="cpython",
-           platform_python_implementation="CPython", implementation_version="3.12.3",
-           platform_release="", platform_version="")
+ENV = dict(
+    python_version="3.12",
+    python_full_version="3.12.3",
+    platform_machine="x86_64",
+    sys_platform="linux",
+    platform_system="Linux",
+    os_name="posix",
+    implementation_name="cpython",
+    platform_python_implementation="CPython",
+    implementation_version="3.12.3",
+    platform_release="",
+    platform_version="",
+)
 
 
 def present_on_gpu(kinds_md):
-    text = open(kinds_md).read().split("## Python packages already there", 1)[1]
+    with open(kinds_md) as f:
+        text = f.read().split("## Python packages already there", 1)[1]
     names = text.split("Packages:", 1)[1].split("\n\n", 1)[0].strip().rstrip(".")
     return {cn(n.strip()) for n in names.split(",") if n.strip()}
 
 
 def resolve(report, kinds_md, lock, *roots):
-    items = {cn(i["metadata"]["name"]): i for i in json.load(open(report))["install"]}
+    with open(report) as f:
+        items = {cn(i["metadata"]["name"]): i for i in json.load(f)["install"]}
     present = present_on_gpu(kinds_md)
     if len(present) < 100:
         sys.exit(f"kit.py: only {len(present)} names read from {kinds_md}: its format changed?")
@@ -104,10 +116,12 @@ def resolve(report, kinds_md, lock, *roots):
             if req.marker is None or any(req.marker.evaluate(dict(ENV, extra=e)) for e in (extras or {""})):
                 stack.append((cn(req.name), frozenset(req.extras), name))
     with open(lock, "w") as f:
-        f.write(f"# {' '.join(roots)} (CUDA 13 builds) and what the GPU machine lacks of their requirements, for cp312\n"
-                "# manylinux x86_64. Written by `bash dev/gpu/stage_vllm.sh --resolve`; read by stage_vllm.sh.\n"
-                "# Not carried: torchvision/torchaudio, the packages KINDS.md lists as present,\n"
-                "# and these (never loaded by this project on the GPU):\n")
+        f.write(
+            f"# {' '.join(roots)} (CUDA 13 builds) and what the GPU machine lacks of their requirements, for cp312\n"
+            "# manylinux x86_64. Written by `bash dev/gpu/stage_vllm.sh --resolve`; read by stage_vllm.sh.\n"
+            "# Not carried: torchvision/torchaudio, the packages KINDS.md lists as present,\n"
+            "# and these (never loaded by this project on the GPU):\n"
+        )
         for name in sorted(FORCE):
             f.write(f"# Carried although present: {name}: {FORCE[name]}\n")
         for name in sorted(dropped):
@@ -140,8 +154,10 @@ def repack(src, dst, keep_fa2=False):
         if not fn.endswith(".whl"):
             continue
         removed, rehashed = [], {}
-        with zipfile.ZipFile(os.path.join(src, fn)) as zin, \
-                zipfile.ZipFile(os.path.join(dst, fn), "w", zipfile.ZIP_STORED) as zout:
+        with (
+            zipfile.ZipFile(os.path.join(src, fn)) as zin,
+            zipfile.ZipFile(os.path.join(dst, fn), "w", zipfile.ZIP_STORED) as zout,
+        ):
             names = zin.namelist()
             record = [n for n in names if n.endswith(".dist-info/RECORD")]
             assert len(record) == 1, (fn, record)
@@ -155,8 +171,9 @@ def repack(src, dst, keep_fa2=False):
                     rehashed[info.filename] = record_entry(info.filename, data)
                 if info.filename == record[0]:
                     lines = data.decode().splitlines(keepends=True)
-                    data = "".join(rehashed.get(l.split(",", 1)[0], l) for l in lines
-                                   if l.split(",", 1)[0] not in drop).encode()
+                    data = "".join(
+                        rehashed.get(line.split(",", 1)[0], line) for line in lines if line.split(",", 1)[0] not in drop
+                    ).encode()
                 out = zipfile.ZipInfo(info.filename, info.date_time)
                 out.external_attr = info.external_attr  # keeps the x bits (vllm/vllm-rs)
                 out.compress_type = zipfile.ZIP_STORED

@@ -7,7 +7,7 @@
 # before and after under $OUT/load (or /tmp/load-gpu).
 #   PORT=8000 USERS=32 RUN_TIME=300 PROMPT_TOKENS=8192 LONG_PROMPT_TOKENS=65536 bash dev/gpu/load_gpu.sh
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 port=${PORT:-8000}; out=${OUT:-/tmp/load-gpu}/load; mkdir -p "$out"
 host=http://127.0.0.1:$port
 max_len=$(curl -sf "$host/v1/models" | python3 -c "import json, sys; print(json.load(sys.stdin)['data'][0]['max_model_len'])") \
@@ -18,7 +18,7 @@ sampler=$!
 MSA_TOO_LONG_PROMPT_TOKENS=$((max_len + 1000)) python3 loadtests/run_load.py --host "$host" --profile soak \
   --users "${USERS:-32}" --run-time "${RUN_TIME:-300}" --prompt-tokens "${PROMPT_TOKENS:-8192}" \
   --long-prompt-tokens "${LONG_PROMPT_TOKENS:-65536}" --max-tokens "${MAX_TOKENS:-64}" \
-  --server-pid "$(cat /tmp/gpu-server/serve-$port.pid)" --report-dir "$out" 2>&1 | tee "$out/run_load.log"
+  --server-pid "$(cat "/tmp/gpu-server/serve-$port.pid")" --report-dir "$out" 2>&1 | tee "$out/run_load.log"
 rc=${PIPESTATUS[0]}
 kill $sampler
 curl -sf "$host/metrics" > "$out/metrics-after.txt"

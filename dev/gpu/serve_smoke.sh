@@ -9,7 +9,7 @@
 # process) is used as it is and left running; KEEP=1 also leaves a server started here running for later
 # calls. dev/gpu/wait_server.sh waits for either to answer /health.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 out=${OUT:-/tmp/serve-smoke}; mkdir -p "$out"
 export PORT=${PORT:-8000} PROMPTS=${PROMPTS:-16 2000 8000}
 pid_file=/tmp/gpu-server/serve-$PORT.pid
@@ -18,7 +18,7 @@ if ! { [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; }; then
   bash dev/gpu/start_server.sh "$@" || exit 1
   started_here=1
 fi
-bash dev/gpu/wait_server.sh || { cp /tmp/gpu-server/serve-$PORT.log "$out/"; exit 1; }
+bash dev/gpu/wait_server.sh || { cp "/tmp/gpu-server/serve-$PORT.log" "$out/"; exit 1; }
 python3 - <<'PY' 2>&1 | tee "$out/requests.log"
 import json, os, time, urllib.request
 def post(path, body):
@@ -32,5 +32,5 @@ r, dt = post("/v1/chat/completions", {"model": "demo-msa", "messages": [{"role":
 print(f"chat: {r['usage']} in {dt:.2f} s")
 PY
 [ "$started_here" = 0 ] || [ "${KEEP:-0}" = 1 ] || kill "$(cat "$pid_file")"
-cp /tmp/gpu-server/serve-$PORT.log "$out/serve.log"
+cp "/tmp/gpu-server/serve-$PORT.log" "$out/serve.log"
 grep -iE "error|traceback" "$out/serve.log" | head -10

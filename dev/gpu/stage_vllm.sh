@@ -65,7 +65,7 @@ step "downloading $(grep -c '^[^#]' "$lock") wheels pinned in dev/gpu/vllm-gpu.l
 grep -o '^[^# ]*' "$lock" > "$work/pins.txt"
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/dl" -r "$work/pins.txt" \
   2> >(grep -v 'is ignored: it is neither' >&2)
-n_dl=$(ls "$work/dl"/*.whl | wc -l)
+n_dl=$(find "$work/dl" -maxdepth 1 -name '*.whl' | wc -l)
 [ "$n_dl" = "$(wc -l < "$work/pins.txt")" ] || { echo "stage_vllm: got $n_dl wheels for $(wc -l < "$work/pins.txt") pins" >&2; exit 1; }
 # The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like the GPU image's CUDA 13.
 unzip -p "$work"/dl/vllm-$vllm_version-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
@@ -79,10 +79,10 @@ python3 "$here/kit.py" repack "$work/dl" "$work/kit" "${keep_fa2[@]}"
 rm -rf "$work/dl"
 step "packing $(du -sm "$work/kit" | cut -f1) MB of stored wheels with xz (a few minutes)"
 rm -rf "$kit" && mkdir -p "$kit"
-(cd "$work/kit" && tar cf - --sort=name *.whl) | xz -T0 -6 > "$work/kit.tar.xz"
+(cd "$work/kit" && tar cf - --sort=name -- *.whl) | xz -T0 -6 > "$work/kit.tar.xz"
 rm -rf "$work/kit"
 (cd "$kit" && split -b 48M -d -a 2 "$work/kit.tar.xz" part)
-n=$(ls "$kit"/part* | wc -l)
+n=$(find "$kit" -maxdepth 1 -name 'part*' | wc -l)
 echo "$(sha256sum < "$work/kit.tar.xz" | cut -d' ' -f1) $n" > "$kit/SHA256"
 cp "$here/recv_vllm.sh" "$here/install_vllm.sh" "$kit/"
 step "done in $((SECONDS - start)) s: $(du -sm "$work/kit.tar.xz" | cut -f1) MB in $n parts"

@@ -4,7 +4,7 @@
 # tail if it died or was not healthy within TIMEOUT seconds (default 400). The one shell health-wait
 # (serve_smoke.sh waits through it; Python code waits through serve/health.py).
 set -uo pipefail
-port=${PORT:-8000}; log=/tmp/gpu-server/serve-$port.log; pid=$(cat /tmp/gpu-server/serve-$port.pid)
+port=${PORT:-8000}; log=/tmp/gpu-server/serve-$port.log; pid=$(cat "/tmp/gpu-server/serve-$port.pid")
 start=$SECONDS
 until curl -sf "127.0.0.1:$port/health" > /dev/null; do
   if ! kill -0 "$pid" 2>/dev/null || [ $((SECONDS - start)) -gt "${TIMEOUT:-400}" ]; then

@@ -26,8 +26,10 @@ def main():
             t_cute = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=20)
             t_ref = timed(lambda: reference.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=3)
             nbytes = batch * context * M3_SHAPE.index_head_dim * 2
-            print(f"{context:>8} {batch:>5} {t_cute * 1e6:>9.1f} {t_ref * 1e6:>9.1f} {t_ref / t_cute:>8.1f} "
-                  f"{nbytes / t_cute / 1e9:>8.0f} {100 * nbytes / t_cute / bw:>8.0f}%")
+            print(
+                f"{context:>8} {batch:>5} {t_cute * 1e6:>9.1f} {t_ref * 1e6:>9.1f} {t_ref / t_cute:>8.1f} "
+                f"{nbytes / t_cute / 1e9:>8.0f} {100 * nbytes / t_cute / bw:>8.0f}%"
+            )
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -35,16 +35,20 @@ def layer_time(requests) -> float:
 def main():
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()}: M3 shapes, bf16, eager layer times\n")
-    print("| decodes x context | chunk tokens @ context | mixed step ms | decodes alone ms | chunk alone ms "
-          "| mixed / (decodes + chunk) |")
+    print(
+        "| decodes x context | chunk tokens @ context | mixed step ms | decodes alone ms | chunk alone ms "
+        "| mixed / (decodes + chunk) |"
+    )
     print("|---|---|---|---|---|---|")
     for decodes, decode_context, chunk, chunk_context in CASES:
         decode_requests = [(decode_context, 1)] * decodes
         chunk_request = [(chunk_context, chunk)]
         mixed = layer_time(decode_requests + chunk_request)
         alone = layer_time(decode_requests), layer_time(chunk_request)
-        print(f"| {decodes} x {decode_context} | {chunk} @ {chunk_context} | {mixed * 1e3:.3f} | {alone[0] * 1e3:.3f} "
-              f"| {alone[1] * 1e3:.3f} | {mixed / sum(alone):.2f} |")
+        print(
+            f"| {decodes} x {decode_context} | {chunk} @ {chunk_context} | {mixed * 1e3:.3f} | {alone[0] * 1e3:.3f} "
+            f"| {alone[1] * 1e3:.3f} | {mixed / sum(alone):.2f} |"
+        )
     print(f"\ntotal {time.time() - t0:.0f} s")
 
 

@@ -54,15 +54,22 @@ def main():
     start = time.time()
     bw, flops = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s\n")
-    print("| tokens | window | mean union / 4 tokens | per-token ms | prefill ms | adaptive ms | TFLOP/s | % matmul "
-          "| adaptive / per-token | output cosine | dense SDPA ms | dense / adaptive |")
+    print(
+        "| tokens | window | mean union / 4 tokens | per-token ms | prefill ms | adaptive ms | TFLOP/s | % matmul "
+        "| adaptive / per-token | output cosine | dense SDPA ms | dense / adaptive |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
         t_dense = dense_time(context)
         for window in args.windows:
             batch, q, kv, selected = prefill_problem(context, window, seed=context + window)
-            useful = (4 * (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
-                      * M3_SHAPE.head_dim)
+            useful = (
+                4
+                * (selected >= 0).sum().item()
+                * M3_SHAPE.block_size
+                * M3_SHAPE.heads_per_index_head
+                * M3_SHAPE.head_dim
+            )
             problem = (q, kv, batch, selected, M3_SHAPE, SCALE)
             run = {
                 "per_token": functools.partial(sparse_attn.sparse_attention, *problem),
@@ -70,13 +77,18 @@ def main():
                 "adaptive": functools.partial(sparse_attn_prefill.prefill_sparse_attention, *problem),
             }
             outs = {mode: fn().float() for mode, fn in run.items()}
-            cos = min(F.cosine_similarity(outs["per_token"].flatten(), outs[mode].flatten(), dim=0).item()
-                      for mode in ("prefill", "adaptive"))
+            cos = min(
+                F.cosine_similarity(outs["per_token"].flatten(), outs[mode].flatten(), dim=0).item()
+                for mode in ("prefill", "adaptive")
+            )
             t = {mode: timed(fn, iters=3) for mode, fn in run.items()}
-            print(f"| {context} | {window} | {mean_union(selected, TILE):.1f} | {t['per_token'] * 1e3:.2f} | "
-                  f"{t['prefill'] * 1e3:.2f} | {t['adaptive'] * 1e3:.2f} | {useful / t['adaptive'] / 1e12:.0f} | "
-                  f"{100 * useful / t['adaptive'] / flops:.0f}% | {t['adaptive'] / t['per_token']:.2f} | {cos:.5f} | "
-                  f"{t_dense * 1e3:.2f} | {t_dense / t['adaptive']:.1f}x |", flush=True)
+            print(
+                f"| {context} | {window} | {mean_union(selected, TILE):.1f} | {t['per_token'] * 1e3:.2f} | "
+                f"{t['prefill'] * 1e3:.2f} | {t['adaptive'] * 1e3:.2f} | {useful / t['adaptive'] / 1e12:.0f} | "
+                f"{100 * useful / t['adaptive'] / flops:.0f}% | {t['adaptive'] / t['per_token']:.2f} | {cos:.5f} | "
+                f"{t_dense * 1e3:.2f} | {t_dense / t['adaptive']:.1f}x |",
+                flush=True,
+            )
             del batch, q, kv, selected, problem, run, outs
             torch.cuda.empty_cache()
     print(f"\ntotal {time.time() - start:.0f} s")

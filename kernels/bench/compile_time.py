@@ -24,10 +24,14 @@ VARIANTS = [
     (PrefillIndexScoreKernel, PrefillIndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (TopkBlocksKernel, TopkBlocksParams(S.topk_blocks, S.local_blocks, S.init_blocks)),
     (SparseAttentionKernel, SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim)),
-    (SparseAttentionKernel,
-     SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, split=True)),
-    (PrefillAttentionKernel,
-     PrefillAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, S.topk_blocks)),
+    (
+        SparseAttentionKernel,
+        SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, split=True),
+    ),
+    (
+        PrefillAttentionKernel,
+        PrefillAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, S.topk_blocks),
+    ),
     (CombineKernel, CombineParams(S.num_q_heads, S.head_dim)),
 ]
 

@@ -15,8 +15,15 @@ import torch
 from msa_kernels import reference
 from msa_kernels.shapes import MSAShape, PagedBatch
 
-M3_SHAPE = MSAShape(num_q_heads=64, num_kv_heads=4, head_dim=128, num_index_heads=4, num_index_key_heads=1,
-                    index_head_dim=128, topk_blocks=16)
+M3_SHAPE = MSAShape(
+    num_q_heads=64,
+    num_kv_heads=4,
+    head_dim=128,
+    num_index_heads=4,
+    num_index_key_heads=1,
+    index_head_dim=128,
+    topk_blocks=16,
+)
 SCALE = M3_SHAPE.head_dim**-0.5
 CONTEXTS = (8192, 32768, 131072)
 DECODE_BATCHES = (1, 8, 32)
@@ -33,7 +40,7 @@ def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, s
     table = torch.full((len(requests), max(blocks)), -1, dtype=torch.int32, device="cuda")
     first = 0
     for r, n in enumerate(blocks):
-        table[r, :n] = pages[first:first + n]
+        table[r, :n] = pages[first : first + n]
         first += n
     q_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     batch = PagedBatch(
@@ -55,8 +62,9 @@ def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, s
     return batch, q, index_q, kv, index_cache, selected
 
 
-def correlated_scores(tokens: int, blocks: int, window: int, generator: torch.Generator,
-                      shape: MSAShape = M3_SHAPE) -> torch.Tensor:
+def correlated_scores(
+    tokens: int, blocks: int, window: int, generator: torch.Generator, shape: MSAShape = M3_SHAPE
+) -> torch.Tensor:
     """[tokens, Hi, blocks] fp32 block scores: a moving sum of `window` normal draws along the tokens
     (window 1: every token independent; window w: neighbours' scores correlate as 1 - lag / w)."""
     out = torch.empty(tokens, shape.num_index_heads, blocks, device="cuda")

@@ -21,8 +21,15 @@ from msa_kernels.bench.problems import M3_SHAPE as M3
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
 
-DEMO = MSAShape(num_q_heads=8, num_kv_heads=2, head_dim=32, num_index_heads=4, num_index_key_heads=1,
-                index_head_dim=32, topk_blocks=4)
+DEMO = MSAShape(
+    num_q_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    num_index_heads=4,
+    num_index_key_heads=1,
+    index_head_dim=32,
+    topk_blocks=4,
+)
 CASES = {  # name: (shape, q_lens, seq_lens)
     "M3 decode, ragged": (M3, [1, 1, 1, 1], [7, 300, 2100, 5000]),
     "M3 prefill chunk": (M3, [200], [1000]),
@@ -34,12 +41,21 @@ CASES = {  # name: (shape, q_lens, seq_lens)
 def main() -> None:
     for name, (shape, q_lens, seq_lens) in CASES.items():
         case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=len(name))
-        out, selected = ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape,
-                                          case.scale, out=torch.full_like(case.q, float("nan")))
+        out, selected = ops.msa_attention(
+            case.q,
+            case.index_q,
+            case.kv_cache,
+            case.index_key_cache,
+            case.batch,
+            shape,
+            case.scale,
+            out=torch.full_like(case.q, float("nan")),
+        )
         scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
         want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
-        want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape,
-                                          case.scale)
+        want = reference.sparse_attention(
+            case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale
+        )
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
         same = torch.equal(selected, want_sel)
         print(f"{name}: {ops.describe(case.q.device, case.q.dtype, shape)}; selection equal: {same}, cosine {cos:.5f}")

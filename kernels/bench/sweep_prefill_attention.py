@@ -29,11 +29,14 @@ def main():
         print(context, window, f"union {mean_union(selected, TILE):.1f} per_token {t_ref * 1e3:.2f} ms", flush=True)
         for stages in (1, 2, 3):
             for bound in (10**6, 44, 38, 32, 24):
-                run = functools.partial(sparse_attn_prefill.prefill_sparse_attention, *problem, max_union=bound,
-                                        stages=stages)
+                run = functools.partial(
+                    sparse_attn_prefill.prefill_sparse_attention, *problem, max_union=bound, stages=stages
+                )
                 cos = torch.nn.functional.cosine_similarity(run().float().flatten(), reference.flatten(), dim=0)
-                print(f"  stages {stages} max_union {bound}: {timed(run, iters=3) * 1e3:.2f} ms cos {cos.item():.5f}",
-                      flush=True)
+                print(
+                    f"  stages {stages} max_union {bound}: {timed(run, iters=3) * 1e3:.2f} ms cos {cos.item():.5f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

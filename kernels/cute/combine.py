@@ -6,6 +6,7 @@ per output element of the head dim. combine_splits launches it (for sparse_attn.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -15,6 +16,9 @@ from cutlass.cute.runtime import make_fake_stream
 
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 
 @dataclass(frozen=True)
@@ -28,11 +32,11 @@ class CombineKernel:
         self.p = params
 
     @classmethod
-    def compile(cls, params: CombineParams):
+    def compile(cls, params: CombineParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: CombineParams):
+    def fake_arguments(params: CombineParams) -> tuple:
         return (
             row_major(cutlass.Float32, 4, align=16),  # partial_out
             row_major(cutlass.Float32, 3),  # partial_lse

@@ -7,11 +7,12 @@ dim): every extent is a 32-bit runtime value, every stride but the unit innermos
 runtime value. The kernels take their static sizes from their parameter dataclasses instead.
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 
-def row_major(dtype, rank: int, *, align: int | None = None):
+def row_major(dtype: type[cutlass.Numeric], rank: int, *, align: int | None = None) -> cute.Tensor:
     """A fully dynamic row-major tensor of `rank` modes; strides are multiples of 16 bytes when align=16.
 
     Callers must pass tensors that honour that: as_cute checks strides before a call.

@@ -12,6 +12,7 @@ is read once per query token. index_block_scores launches it.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -22,6 +23,9 @@ from cutlass.cute.runtime import make_fake_stream
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -57,15 +61,19 @@ class IndexScoreKernel:
     @classmethod
     def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
         """bf16 index queries and keys, 128-token blocks, 16-byte row chunks within a warp."""
-        return (dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 8 == 0
-                and 32 % (index_head_dim // 8) == 0)
+        return (
+            dtype == torch.bfloat16
+            and block_size == 128
+            and index_head_dim % 8 == 0
+            and 32 % (index_head_dim // 8) == 0
+        )
 
     @classmethod
-    def compile(cls, params: IndexScoreParams):
+    def compile(cls, params: IndexScoreParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: IndexScoreParams):
+    def fake_arguments(params: IndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (
@@ -139,7 +147,9 @@ class IndexScoreKernel:
                     k = k_frag.load().to(cutlass.Float32)
                     for g in cutlass.range_constexpr(heads_per_key):
                         h = kh * heads_per_key + g
-                        partial = (k * queries[g]).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), reduction_profile=0)
+                        partial = (k * queries[g]).reduce(
+                            cute.ReductionOp.ADD, cutlass.Float32(0.0), reduction_profile=0
+                        )
                         score = cute.arch.warp_reduction_sum(partial, threads_in_group=p.lanes_per_row)
                         if block * p.block_size + row <= position:
                             best[h] = cute.arch.fmax(best[h], score)
@@ -162,12 +172,19 @@ def index_block_scores(
     index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 inputs on Hopper: every token on its own."""
-    out = torch.empty((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), dtype=torch.float32,
-                      device=index_q.device)
+    out = torch.empty(
+        (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
+        dtype=torch.float32,
+        device=index_q.device,
+    )
     params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
     compiled_kernel(IndexScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True), as_cute(index_key_cache, rows16=True),
-        as_cute(batch.block_table.to(torch.int32)), as_cute(batch.token_requests), as_cute(batch.positions),
-        as_cute(out), current_stream(),
+        as_cute(index_q.contiguous(), rows16=True),
+        as_cute(index_key_cache, rows16=True),
+        as_cute(batch.block_table.to(torch.int32)),
+        as_cute(batch.token_requests),
+        as_cute(batch.positions),
+        as_cute(out),
+        current_stream(),
     )
     return out

@@ -19,6 +19,7 @@ with -inf first.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,6 +33,9 @@ from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -75,11 +79,11 @@ class PrefillIndexScoreKernel:
         return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
 
     @classmethod
-    def compile(cls, params: PrefillIndexScoreParams):
+    def compile(cls, params: PrefillIndexScoreParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: PrefillIndexScoreParams):
+    def fake_arguments(params: PrefillIndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (
@@ -113,10 +117,18 @@ class PrefillIndexScoreKernel:
         # TMA over the whole cache, modes (key, d, key head, page): a (B, Dp) box is one page of one head.
         keys = cute.make_tensor(index_key_cache.iterator, cute.select(index_key_cache.layout, mode=[1, 3, 2, 0]))
         tma_atom, tma_keys = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), keys, cute.select(k_layout, mode=[0, 1]), (p.block_size, p.index_head_dim)
+            cpasync.CopyBulkTensorTileG2SOp(),
+            keys,
+            cute.select(k_layout, mode=[0, 1]),
+            (p.block_size, p.index_head_dim),
         )
         mma = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
-            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1),
+            bf16,
+            bf16,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            cutlass.Float32,
+            (1, 1, 1),
             (PREFILL_TILE_TOKENS, p.block_size),
         )
         q_copy = row_copy(bf16, WARPGROUP, p.index_head_dim, cpasync.CopyG2SOp())
@@ -129,7 +141,17 @@ class PrefillIndexScoreKernel:
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(k_layout)], 1024]
 
         self.kernel(
-            index_q, tma_keys, block_table, token_position, tiles, out, tma_atom, mma, q_copy, q_layout, k_layout,
+            index_q,
+            tma_keys,
+            block_table,
+            token_position,
+            tiles,
+            out,
+            tma_atom,
+            mma,
+            q_copy,
+            q_layout,
+            k_layout,
             Storage,
         ).launch(
             grid=[cute.size(tiles, mode=[0]), p.num_index_heads // p.heads_per_cta, 1],
@@ -210,7 +232,9 @@ class PrefillIndexScoreKernel:
         thr_mma = mma.get_slice(wg_tidx)
         tSrQ = mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, group]))
         tSrK = mma.make_fragment_B(thr_mma.partition_B(sK))
-        score_coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((PREFILL_TILE_TOKENS, p.block_size))))
+        score_coords = acc_rows_cols(
+            thr_mma.partition_C(cute.make_identity_tensor((PREFILL_TILE_TOKENS, p.block_size)))
+        )
         rows = cute.size(score_coords, mode=[0])
         row_position = cute.make_rmem_tensor((rows,), cutlass.Int32)  # -1 past the request's tokens
         for r in cutlass.range_constexpr(rows):
@@ -224,8 +248,7 @@ class PrefillIndexScoreKernel:
             if warp == 0 and block > 0 and block - 1 + p.stages < num_blocks:
                 released = (block - 1) % p.stages
                 cute.arch.mbarrier_wait(empty + released, ((block - 1) // p.stages) % 2)
-                self.load_page(tma_atom, tKg, tKs, full, block_table[request, block - 1 + p.stages], released,
-                               tx_bytes)
+                self.load_page(tma_atom, tKg, tKs, full, block_table[request, block - 1 + p.stages], released, tx_bytes)
             cute.arch.mbarrier_wait(full + stage, (block // p.stages) % 2)
 
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size)), f32)
@@ -263,13 +286,22 @@ def prefill_index_block_scores(
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 inputs on Hopper: each request's
     tokens in tiles of PREFILL_TILE_TOKENS."""
-    out = torch.full((batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]), float("-inf"),
-                     dtype=torch.float32, device=index_q.device)
-    params = PrefillIndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim,
-                                     shape.block_size)
+    out = torch.full(
+        (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
+        float("-inf"),
+        dtype=torch.float32,
+        device=index_q.device,
+    )
+    params = PrefillIndexScoreParams(
+        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
+    )
     compiled_kernel(PrefillIndexScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True), as_cute(index_key_cache, rows16=True),
-        as_cute(batch.block_table.to(torch.int32)), as_cute(batch.positions),
-        as_cute(batch.request_tiles(PREFILL_TILE_TOKENS)), as_cute(out), current_stream(),
+        as_cute(index_q.contiguous(), rows16=True),
+        as_cute(index_key_cache, rows16=True),
+        as_cute(batch.block_table.to(torch.int32)),
+        as_cute(batch.positions),
+        as_cute(batch.request_tiles(PREFILL_TILE_TOKENS)),
+        as_cute(out),
+        current_stream(),
     )
     return out

@@ -17,15 +17,21 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
 
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show compile times
 
 
 @functools.cache
-def compiled_kernel(kernel_cls: type, params):
+def compiled_kernel(kernel_cls: type, params: Hashable) -> Callable[..., Any]:
     """kernel_cls.compile(params), once per process and kept on disk.
 
     The disk cache (VLLM_MSA_KERNEL_CACHE, default ~/.cache/vllm_msa/kernels) holds CuTeDSL's exported
@@ -80,7 +86,7 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def as_cute(t: torch.Tensor, rows16: bool = False):
+def as_cute(t: torch.Tensor, rows16: bool = False) -> "cute.Tensor":
     """The kernels' argument form (see kernels/cute/fake.py): fully dynamic layout, unit innermost stride.
 
     rows16: the kernel reads or writes 16-byte row chunks, so base and strides must be 16-byte aligned.
@@ -89,19 +95,19 @@ def as_cute(t: torch.Tensor, rows16: bool = False):
 
     if rows16 and (t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1])):
         raise ValueError(f"CuTeDSL kernel needs 16-byte aligned rows, got strides {t.stride()}")
-    return from_dlpack(t, assumed_align=16 if rows16 else t.element_size()).mark_layout_dynamic(
-        leading_dim=t.dim() - 1
-    )
+    return from_dlpack(t, assumed_align=16 if rows16 else t.element_size()).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def current_stream():
+def current_stream() -> "cuda.CUstream":
     """torch's current stream, so the kernels run in order with torch ops and inside CUDA graph capture."""
     import cuda.bindings.driver as cuda
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def contiguous_out(out: torch.Tensor | None, size: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def contiguous_out(
+    out: torch.Tensor | None, size: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Where a kernel writes its output: the caller's `out` if contiguous, else a new tensor (see copy_into)."""
     if out is not None and out.is_contiguous():
         return out

@@ -23,6 +23,7 @@ attend_per_token (the same on converted inputs, also for the tiles sparse_attn_p
 import functools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -35,9 +36,18 @@ from msa_kernels.cute.combine import combine_splits
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream, num_sms
 from msa_kernels.cute.warp_mma import (
-    as_a_operand, copy_rows, online_softmax_row, quad_reduce, row_copy, rows_cols, swizzled_rows,
+    as_a_operand,
+    copy_rows,
+    online_softmax_row,
+    quad_reduce,
+    row_copy,
+    rows_cols,
+    swizzled_rows,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -82,11 +92,11 @@ class SparseAttentionKernel:
         return dtype == torch.bfloat16 and block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
 
     @classmethod
-    def compile(cls, params: SparseAttentionParams):
+    def compile(cls, params: SparseAttentionParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: SparseAttentionParams):
+    def fake_arguments(params: SparseAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
         return (
@@ -140,8 +150,24 @@ class SparseAttentionKernel:
         num_splits = cute.size(out, mode=[0])
         num_tokens = cute.size(q, mode=[0])
         self.kernel(
-            q, kv_cache, block_table, seq_lens, token_request, token_position, selected, out, out_lse, handled,
-            scale * LOG2_E, scale, slots_per_split, q_layout, kv_layout, gmem_copy, mma, Storage,
+            q,
+            kv_cache,
+            block_table,
+            seq_lens,
+            token_request,
+            token_position,
+            selected,
+            out,
+            out_lse,
+            handled,
+            scale * LOG2_E,
+            scale,
+            slots_per_split,
+            q_layout,
+            kv_layout,
+            gmem_copy,
+            mma,
+            Storage,
         ).launch(
             grid=[num_tokens, num_splits, p.num_index_heads * p.head_chunks],
             block=[self.threads, 1, 1],
@@ -245,8 +271,15 @@ class SparseAttentionKernel:
         row_sum.fill(0.0)
 
         tile_source = SimpleNamespace(
-            kv_cache=kv_cache, block_table=block_table, selected=selected, request=request, token=token,
-            index_head=index_head, kv_head=kv_head, slot0=slot0, seq_len=seq_len,
+            kv_cache=kv_cache,
+            block_table=block_table,
+            selected=selected,
+            request=request,
+            token=token,
+            index_head=index_head,
+            kv_head=kv_head,
+            slot0=slot0,
+            seq_len=seq_len,
         )
         if num_tiles > 0:
             self._load_tile(tile_source, 0, 0, sK, sV, thr_copy, gmem_copy, tile_coords)
@@ -317,7 +350,9 @@ class SparseAttentionKernel:
         page = source.block_table[source.request, block]
         first_key = block * p.block_size + sub * p.tile_keys
         for kv, smem in ((0, sK), (1, sV)):
-            g = cute.local_tile(source.kv_cache[page, kv, None, source.kv_head, None], (p.tile_keys, p.head_dim), (sub, 0))
+            g = cute.local_tile(
+                source.kv_cache[page, kv, None, source.kv_head, None], (p.tile_keys, p.head_dim), (sub, 0)
+            )
             src = thr_copy.partition_S(g)
             dst = thr_copy.partition_D(smem[None, None, stage])
             for i in cutlass.range_constexpr(cute.size(dst, mode=[1])):
@@ -332,6 +367,7 @@ SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM; each resident CTA also
 
 def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
     """CTAs of this kernel one SM runs at once: bounded by shared memory (one warp each, few registers)."""
+
     def aligned(nbytes: int) -> int:
         return -(-nbytes // 1024) * 1024
 
@@ -363,9 +399,17 @@ def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch,
     """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them, converted
     once: the prefill kernel and the per-token kernel for the tiles it leaves share them."""
     return (
-        as_cute(q.contiguous(), rows16=True), as_cute(kv_cache, rows16=True),
-        *(as_cute(t) for t in (batch.block_table.to(torch.int32), batch.seq_lens.to(torch.int32), batch.positions,
-                               selected.to(torch.int32).contiguous())),
+        as_cute(q.contiguous(), rows16=True),
+        as_cute(kv_cache, rows16=True),
+        *(
+            as_cute(t)
+            for t in (
+                batch.block_table.to(torch.int32),
+                batch.seq_lens.to(torch.int32),
+                batch.positions,
+                selected.to(torch.int32).contiguous(),
+            )
+        ),
     )
 
 
@@ -385,8 +429,9 @@ def sparse_attention(
     tile), chosen by num_splits unless given (benchmarks sweep it).
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    attend_per_token(attention_inputs(q, kv_cache, batch, selected), batch, shape, selected.shape[-1], result, scale,
-                     splits)
+    attend_per_token(
+        attention_inputs(q, kv_cache, batch, selected), batch, shape, selected.shape[-1], result, scale, splits
+    )
     return copy_into(result, out)
 
 
@@ -405,8 +450,9 @@ def attend_per_token(
     variant, which skips the rows already written."""
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     q, kv_cache, block_table, seq_lens, positions, selected = inputs
-    params = SparseAttentionParams(hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size,
-                                   gated=handled is not None)
+    params = SparseAttentionParams(
+        hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size, gated=handled is not None
+    )
     if splits is None:
         resident = resident_ctas_per_sm(params) * num_sms(result.device.index or 0)
         splits, per_split = num_splits(num_tokens, params, topk, resident)
@@ -417,8 +463,13 @@ def attend_per_token(
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=result.device)
     if splits == 1:
         compiled_kernel(SparseAttentionKernel, params)(
-            *token_inputs, as_cute(result.view(1, num_tokens, hq, d), rows16=True), as_cute(lse),
-            None if handled is None else as_cute(handled), scale, per_split, current_stream(),
+            *token_inputs,
+            as_cute(result.view(1, num_tokens, hq, d), rows16=True),
+            as_cute(lse),
+            None if handled is None else as_cute(handled),
+            scale,
+            per_split,
+            current_stream(),
         )
     else:
         partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)

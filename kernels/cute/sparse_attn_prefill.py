@@ -19,6 +19,7 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,9 +33,16 @@ from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
 from msa_kernels.cute.sparse_attn import attend_per_token, attention_inputs
 from msa_kernels.cute.warp_mma import (
-    acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt,
+    acc_as_a_operand,
+    acc_rows_cols,
+    online_softmax_row,
+    quad_reduce,
+    warpgroup_gemm_nt,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
@@ -68,26 +76,29 @@ class PrefillAttentionParams:
 
 class PrefillAttentionKernel:
     def __init__(self, params: PrefillAttentionParams):
-        assert self.can_implement(torch.bfloat16, params.num_q_heads, params.num_index_heads, params.head_dim,
-                                  params.block_size)
+        assert self.can_implement(
+            torch.bfloat16, params.num_q_heads, params.num_index_heads, params.head_dim, params.block_size
+        )
         assert params.num_index_heads % params.num_kv_heads == 0
         self.p = params
 
     @classmethod
-    def can_implement(cls, dtype: torch.dtype, num_q_heads: int, num_index_heads: int, head_dim: int,
-                      block_size: int) -> bool:
+    def can_implement(
+        cls, dtype: torch.dtype, num_q_heads: int, num_index_heads: int, head_dim: int, block_size: int
+    ) -> bool:
         """bf16 queries and K/V, 128-token blocks, head dim 64 or 128, m = Hq / Hi query heads per index
         head dividing 64 with at most 16 tokens per tile (m >= 4)."""
         m = num_q_heads // num_index_heads
-        return (dtype == torch.bfloat16 and block_size == 128 and head_dim in (64, 128) and 4 <= m <= ROWS
-                and ROWS % m == 0)
+        return (
+            dtype == torch.bfloat16 and block_size == 128 and head_dim in (64, 128) and 4 <= m <= ROWS and ROWS % m == 0
+        )
 
     @classmethod
-    def compile(cls, params: PrefillAttentionParams):
+    def compile(cls, params: PrefillAttentionParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: PrefillAttentionParams):
+    def fake_arguments(params: PrefillAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
         return (
@@ -137,7 +148,13 @@ class PrefillAttentionKernel:
             bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (ROWS, p.block_size)
         )
         mma_pv = sm90_utils.make_trivial_tiled_mma(  # O += P V: P from registers, V^T (d contiguous)
-            bf16, bf16, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (ROWS, p.head_dim),
+            bf16,
+            bf16,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            cutlass.Float32,
+            (1, 1, 1),
+            (ROWS, p.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
         chunks_per_row = p.head_dim // 8  # 16-byte chunks
@@ -159,8 +176,24 @@ class PrefillAttentionKernel:
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
 
         self.kernel(
-            q, tma_kv, block_table, seq_lens, token_position, selected, tiles, out, handled, max_union, scale * LOG2_E,
-            tma_atom, mma_qk, mma_pv, row_copy, q_layout, kv_layout, Storage,
+            q,
+            tma_kv,
+            block_table,
+            seq_lens,
+            token_position,
+            selected,
+            tiles,
+            out,
+            handled,
+            max_union,
+            scale * LOG2_E,
+            tma_atom,
+            mma_qk,
+            mma_pv,
+            row_copy,
+            q_layout,
+            kv_layout,
+            Storage,
         ).launch(
             grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
             block=[THREADS, 1, 1],
@@ -281,9 +314,13 @@ class PrefillAttentionKernel:
         # tokens are zero.
         thr_copy = row_copy.get_slice(tidx)
         q_by_head = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 0, 2]))  # (Hq, T, D)
-        gQ = cute.group_modes(cute.local_tile(
-            cute.domain_offset((index_head * m, first, 0), q_by_head), (m, g_max, p.head_dim), (0, 0, 0)
-        ), 0, 2)
+        gQ = cute.group_modes(
+            cute.local_tile(
+                cute.domain_offset((index_head * m, first, 0), q_by_head), (m, g_max, p.head_dim), (0, 0, 0)
+            ),
+            0,
+            2,
+        )
         tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
         tQc = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
         for i in cutlass.range_constexpr(cute.size(tQs, mode=[1])):
@@ -373,8 +410,9 @@ class PrefillAttentionKernel:
             warpgroup.wait_group(0)
             cute.arch.sync_threads()  # every warp is done with this stage: refill it
             if warp == 0 and u + p.stages < union_size:
-                self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + p.stages]],
-                               stage, tx_bytes)
+                self.load_page(
+                    tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + p.stages]], stage, tx_bytes
+                )
 
         # Epilogue: normalise and store the rows of the tile's tokens.
         for r in cutlass.range_constexpr(rows):
@@ -414,16 +452,22 @@ def prefill_sparse_attention(
     sweep it and max_union).
     """
     num_tokens, topk = batch.num_tokens, selected.shape[-1]
-    params = PrefillAttentionParams(shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim,
-                                    topk, shape.block_size, stages)
+    params = PrefillAttentionParams(
+        shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, topk, shape.block_size, stages
+    )
     if max_union is None:
         max_union = round(MAX_UNION * params.tokens_per_tile * topk)
     inputs = attention_inputs(q, kv_cache, batch, selected)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
     compiled_kernel(PrefillAttentionKernel, params)(
-        *inputs, as_cute(batch.request_tiles(params.tokens_per_tile)), as_cute(result, rows16=True),
-        as_cute(handled), max_union, scale, current_stream(),
+        *inputs,
+        as_cute(batch.request_tiles(params.tokens_per_tile)),
+        as_cute(result, rows16=True),
+        as_cute(handled),
+        max_union,
+        scale,
+        current_stream(),
     )
     if max_union < params.candidates:  # some tiles were left
         attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled)

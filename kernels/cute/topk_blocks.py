@@ -15,6 +15,7 @@ slots skip the search and take every visible block. topk_blocks launches it.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -25,6 +26,9 @@ from cutlass.cute.runtime import make_fake_stream
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
 from msa_kernels.shapes import MSAShape
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -51,11 +55,11 @@ class TopkBlocksKernel:
         return dtype == torch.float32
 
     @classmethod
-    def compile(cls, params: TopkBlocksParams):
+    def compile(cls, params: TopkBlocksParams) -> "JitCompiledFunction":
         return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
-    def fake_arguments(params: TopkBlocksParams):
+    def fake_arguments(params: TopkBlocksParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         i32 = cutlass.Int32
         return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), make_fake_stream())
@@ -194,7 +198,9 @@ def topk_blocks(
     if num_tokens:
         params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
         compiled_kernel(TopkBlocksKernel, params)(
-            as_cute(scores.contiguous().view(torch.int32)), as_cute(positions.to(torch.int32)), as_cute(result),
+            as_cute(scores.contiguous().view(torch.int32)),
+            as_cute(positions.to(torch.int32)),
+            as_cute(result),
             current_stream(),
         )
     return copy_into(result, out)

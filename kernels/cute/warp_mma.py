@@ -1,7 +1,7 @@
 """Register-fragment helpers for tensor-core MMAs in CuTeDSL kernels: mma.sync m16n8k16 fragments
 (rows_cols, as_a_operand), warpgroup MMAs (warpgroup_gemm_nt; accumulators: acc_rows_cols,
-acc_as_a_operand) and tile copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of accumulator, whose rows
-are spread over the 4 lanes of a quad the same way."""
+acc_as_a_operand) and tile copies; the row helpers (quad_reduce, online_softmax_row) serve both kinds of
+accumulator, whose rows are spread over the 4 lanes of a quad the same way."""
 
 import cutlass
 import cutlass.cute as cute
@@ -34,8 +34,9 @@ def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
     mma.sync, each row is spread over the 4 lanes of a quad.
     """
     s, d = t.layout.shape, cute.make_layout(t.layout.shape).stride
-    mn = cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-                          stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+    mn = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))
+    )
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
 
@@ -72,8 +73,14 @@ def quad_reduce(value, op):
 
 
 @cute.jit
-def online_softmax_row(scores: cute.Tensor, out: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                       r: cutlass.Constexpr, scale_log2: cutlass.Float32):
+def online_softmax_row(
+    scores: cute.Tensor,
+    out: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    r: cutlass.Constexpr,
+    scale_log2: cutlass.Float32,
+):
     """Online softmax step for accumulator row r of (rows, cols) views (a row spread over a quad):
     the row's scores (masked keys at -inf) become probabilities against the new running max, in
     place, and its output accumulator and running sum are rescaled to that max. A row that has seen
@@ -113,8 +120,9 @@ def row_copy(dtype, threads: int, dim: int, copy_op):
 
 
 @cute.jit
-def copy_rows(tiled_copy: cute.TiledCopy, thr_copy, src: cute.Tensor, dst: cute.Tensor, num_rows,
-              tile_shape: cutlass.Constexpr):
+def copy_rows(
+    tiled_copy: cute.TiledCopy, thr_copy, src: cute.Tensor, dst: cute.Tensor, num_rows, tile_shape: cutlass.Constexpr
+):
     """Copy the first `num_rows` rows of the `tile_shape` tile `src` into shared memory `dst`; zero the rest."""
     src_part = thr_copy.partition_S(src)
     dst_part = thr_copy.partition_D(dst)

@@ -10,22 +10,27 @@ the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama p
 """
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
+
 from msa_kernels import ops
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
@@ -33,9 +38,20 @@ logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 class FlashMSAAttention(nn.Module):
     """Same constructor and forward as vLLM's LlamaAttention, so LlamaDecoderLayer can hold either."""
 
-    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
-                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type=None) -> None:
+    def __init__(
+        self,
+        config: "PretrainedConfig",
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config: "QuantizationConfig | None" = None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config: CacheConfig | None = None,
+        prefix: str = "",
+        attn_type: str | None = None,
+    ) -> None:
         super().__init__()
         msa = MSAModelConfig.from_hf_config(config)
         tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
@@ -47,16 +63,28 @@ class FlashMSAAttention(nn.Module):
         # This rank's index (key) heads within the replicated projections' outputs.
         self.index_q_cols = slice(layout.index_heads.start * dp, layout.index_heads.stop * dp)
         self.index_k_cols = slice(layout.index_key_heads.start * dp, layout.index_key_heads.stop * dp)
-        self.qkv_proj = QKVParallelLinear(hidden_size, d, num_heads, num_kv_heads, bias=bias,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(num_heads * d, hidden_size, bias=bias_o_proj,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, d, num_heads, num_kv_heads, bias=bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj"
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * d, hidden_size, bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
         # Replicated: every rank projects all index (key) heads, then keeps its own (at most Hi x Dp columns,
         # small beside q/k/v), so any split of heads over ranks loads the checkpoint's weights unchanged.
-        self.index_q_proj = ReplicatedLinear(hidden_size, full.num_index_heads * dp, bias=False,
-                                             quant_config=quant_config, prefix=f"{prefix}.index_q_proj")
-        self.index_k_proj = ReplicatedLinear(hidden_size, full.num_index_key_heads * dp, bias=False,
-                                             quant_config=quant_config, prefix=f"{prefix}.index_k_proj")
+        self.index_q_proj = ReplicatedLinear(
+            hidden_size,
+            full.num_index_heads * dp,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.index_q_proj",
+        )
+        self.index_k_proj = ReplicatedLinear(
+            hidden_size,
+            full.num_index_key_heads * dp,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.index_k_proj",
+        )
         self.index_q_norm = RMSNorm(dp, eps=config.rms_norm_eps)
         self.index_k_norm = RMSNorm(dp, eps=config.rms_norm_eps)
         rope = getattr(config, "rope_parameters", None)
@@ -79,7 +107,7 @@ class FlashMSAAttention(nn.Module):
 
 
 class FlashMSADecoderLayer(LlamaDecoderLayer):
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config: "PretrainedConfig | None" = None) -> None:
         config = config or vllm_config.model_config.hf_config
         sparse = MSAModelConfig.from_hf_config(config).is_sparse(extract_layer_index(prefix))
         super().__init__(vllm_config, prefix, config, attn_layer_type=FlashMSAAttention if sparse else LlamaAttention)
@@ -97,8 +125,14 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         logger.info(
             "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
             "dense layers %s on the selected attention backend (on FLASH_MSA: %s)",
-            sparse, ops.describe(device, dtype, shape), msa.topk_blocks, msa.block_size, msa.local_blocks,
-            msa.init_blocks, layout.describe(tp_size), list(msa.dense_layers),
+            sparse,
+            ops.describe(device, dtype, shape),
+            msa.topk_blocks,
+            msa.block_size,
+            msa.local_blocks,
+            msa.init_blocks,
+            layout.describe(tp_size),
+            list(msa.dense_layers),
             describe_dense(device, dtype, shape.head_dim),
         )
         probe = torch.empty(0, device=device, dtype=dtype)
@@ -107,7 +141,10 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
             logger.warning(
                 "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
                 "%s on this GPU; the steps named PyTorch above run the PyTorch path (same results, slower)",
-                shape.head_dim, shape.index_head_dim, shape.block_size, dtype,
+                shape.head_dim,
+                shape.index_head_dim,
+                shape.block_size,
+                dtype,
             )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

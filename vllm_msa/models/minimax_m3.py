@@ -13,19 +13,24 @@ CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA g
 """
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-from msa_kernels import ops
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
+
+from msa_kernels import ops
 from vllm_msa import compat
 from vllm_msa.backend import describe_dense
 from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
 from vllm_msa.layer import MSAAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 logger = init_logger("vllm.msa")
 
@@ -35,8 +40,17 @@ _M3_MODEL_MODULE = compat.m3_model_module()
 class FlashMSAMiniMaxM3Attention(nn.Module):
     """Constructor, parameters and forward of vLLM's MiniMaxM3SparseAttention; attention is MSAAttention."""
 
-    def __init__(self, config, layer_id: int, quant_config=None, prefix: str = "", cache_config=None,
-                 topk_indices_buffer=None, use_sequence_parallel: bool = False, run_gemm_rs: bool = False) -> None:
+    def __init__(
+        self,
+        config: "PretrainedConfig",
+        layer_id: int,
+        quant_config: "QuantizationConfig | None" = None,
+        prefix: str = "",
+        cache_config: CacheConfig | None = None,
+        topk_indices_buffer: torch.Tensor | None = None,
+        use_sequence_parallel: bool = False,
+        run_gemm_rs: bool = False,
+    ) -> None:
         super().__init__()
         if use_sequence_parallel:
             raise MSAConfigError("FLASH_MSA does not serve MiniMax-M3 with sequence parallelism")
@@ -51,19 +65,33 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.index_q_size = shape.num_index_heads * shape.index_head_dim
         self.qkv_proj = compat.m3_qkv_index_projection(
-            config.hidden_size, full.head_dim, full.num_q_heads, full.num_kv_heads, full.num_index_heads,
-            full.index_head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+            config.hidden_size,
+            full.head_dim,
+            full.num_q_heads,
+            full.num_kv_heads,
+            full.num_index_heads,
+            full.index_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
         # Partial sums per rank: vLLM's decoder layer all-reduces them (fused with its next norm).
-        self.o_proj = RowParallelLinear(full.num_q_heads * full.head_dim, config.hidden_size, bias=False,
-                                        reduce_results=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(
+            full.num_q_heads * full.head_dim,
+            config.hidden_size,
+            bias=False,
+            reduce_results=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
         norm = _M3_MODEL_MODULE.MiniMAXGemmaRMSNorm
         self.q_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
         self.k_norm = norm(shape.head_dim, eps=config.rms_norm_eps)
         self.index_q_norm = norm(shape.index_head_dim, eps=config.rms_norm_eps)
         self.index_k_norm = norm(shape.index_head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(  # M3 ropes the index branch with the same table
-            shape.head_dim, max_position=config.max_position_embeddings,
+            shape.head_dim,
+            max_position=config.max_position_embeddings,
             rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
         self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn")
@@ -75,9 +103,20 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         index_q = qkv.new_empty((qkv.shape[0], self.index_q_size))
         # In place on k and index_k inside qkv; q and index_q written to their own buffers.
         compat.m3_qknorm_rope(
-            qkv, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache, positions,
-            s.num_q_heads, s.num_kv_heads, self.rotary_emb.rotary_dim, self.q_norm.variance_epsilon,
-            self.index_q_norm.weight, self.index_k_norm.weight, s.num_index_heads, q_out=q, index_q_out=index_q,
+            qkv,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.rotary_emb.cos_sin_cache,
+            positions,
+            s.num_q_heads,
+            s.num_kv_heads,
+            self.rotary_emb.rotary_dim,
+            self.q_norm.variance_epsilon,
+            self.index_q_norm.weight,
+            self.index_k_norm.weight,
+            s.num_index_heads,
+            q_out=q,
+            index_q_out=index_q,
         )
         _, k, v, _, index_k = qkv.split(
             [self.q_size, self.kv_size, self.kv_size, self.index_q_size, s.index_head_dim], dim=-1
@@ -111,7 +150,13 @@ class FlashMSAMiniMaxM3ForCausalLM(_M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM):
         logger.info(
             "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
             "dense layers %s on FLASH_MSA's dense path (%s)",
-            msa.sparse_layers(text_config.num_hidden_layers), ops.describe(device, dtype, shape),
-            msa.topk_blocks, msa.block_size, msa.local_blocks, msa.init_blocks, layout.describe(tp_size),
-            list(msa.dense_layers), describe_dense(device, dtype, shape.head_dim),
+            msa.sparse_layers(text_config.num_hidden_layers),
+            ops.describe(device, dtype, shape),
+            msa.topk_blocks,
+            msa.block_size,
+            msa.local_blocks,
+            msa.init_blocks,
+            layout.describe(tp_size),
+            list(msa.dense_layers),
+            describe_dense(device, dtype, shape.head_dim),
         )
