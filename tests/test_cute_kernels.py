@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from msa_kernels import reference
+from msa_kernels.bench.problems import M3_SHAPE
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
 
@@ -241,15 +242,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
 def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
     from msa_kernels import ops
 
-    shape = MSAShape(
-        num_q_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_index_heads=4,
-        num_index_key_heads=1,
-        index_head_dim=128,
-        topk_blocks=16,
-    )
+    shape = M3_SHAPE
     case = make_case(shape, [1, 1, 77], [9000, 300, 2100], dtype=torch.bfloat16, device="cuda", seed=7)
     for phase in ("decode", "prefill"):
         assert ops.uses_cute_index_scores(case.index_q, shape, phase)
@@ -284,15 +277,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     from msa_kernels import ops
     from msa_kernels.shapes import PagedBatch
 
-    shape = MSAShape(
-        num_q_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_index_heads=4,
-        num_index_key_heads=1,
-        index_head_dim=128,
-        topk_blocks=16,
-    )
+    shape = M3_SHAPE
     seq_lens = [20000, 130, 7, 4500, 131072 - 3]
     case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
     padded = 8

@@ -122,20 +122,12 @@ def test_msa_op_is_where_piecewise_cuda_graphs_split_like_vllm_attention_ops():
 def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
     from types import SimpleNamespace
 
-    from msa_kernels.shapes import MSAShape
+    from msa_kernels.bench.problems import M3_SHAPE
     from serve.build_demo_model import PRESETS, make_config
 
     hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))
     shape = MSAModelConfig.from_hf_config(hf).layer_shape(hf)
-    assert shape == MSAShape(
-        num_q_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_index_heads=4,
-        num_index_key_heads=1,
-        index_head_dim=128,
-        topk_blocks=16,
-    )
+    assert shape == M3_SHAPE  # the preset has MiniMax-M3's attention shapes, as the benchmarks use them
 
 
 def test_metrics_count_no_padding_tokens(monkeypatch):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -44,9 +45,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 from msa_kernels import ops, reference
 from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
-from vllm_msa.config import SERVED_CACHE_DTYPES
+from vllm_msa.config import SERVED_CACHE_DTYPES, MSAModelConfig
 from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
+
+logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -330,6 +333,39 @@ def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> 
     shape = MSAShape(1, 1, head_size, 1, 1, 1, 1)
     kernel = "CuTeDSL" if ops.uses_cute_sparse_attention(probe, shape) else "PyTorch"
     return f"sparse attention over every block ({kernel})"
+
+
+def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dense_layers: str) -> None:
+    """The model's start-up log line: its MSA layers, what runs each step on this rank and the rank's heads,
+    then its dense layers (dense_layers: what runs them); a warning where the CuTeDSL kernels do not serve
+    the shape on a GPU."""
+    tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
+    layout = msa.rank_layout(hf_config, tp_size, tp_rank)
+    device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
+    logger.info(
+        "%s: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), dense layers %s %s",
+        model,
+        msa.sparse_layers(hf_config.num_hidden_layers),
+        ops.describe(device, dtype, shape),
+        msa.topk_blocks,
+        msa.block_size,
+        msa.local_blocks,
+        msa.init_blocks,
+        layout.describe(tp_size),
+        list(msa.dense_layers),
+        dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim)),
+    )
+    probe = torch.empty(0, device=device, dtype=dtype)
+    kernels_serve = ops.uses_cute_index_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
+    if probe.is_cuda and not kernels_serve:
+        logger.warning(
+            "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
+            "%s on this GPU; the steps named PyTorch above run the PyTorch path (same results, slower)",
+            shape.head_dim,
+            shape.index_head_dim,
+            shape.block_size,
+            dtype,
+        )
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:

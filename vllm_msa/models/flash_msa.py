@@ -22,9 +22,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
-from msa_kernels import ops
 from vllm_msa import compat
-from vllm_msa.backend import describe_dense
+from vllm_msa.backend import log_msa_layers
 from vllm_msa.config import MSAModelConfig
 from vllm_msa.layer import MSAAttention
 
@@ -118,34 +117,13 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
         hf_config = vllm_config.model_config.hf_config
         msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
-        sparse = msa.sparse_layers(hf_config.num_hidden_layers)
-        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
-        layout = msa.rank_layout(hf_config, tp_size, tp_rank)
-        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
-        logger.info(
-            "FlashMSAForCausalLM: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
-            "dense layers %s on the selected attention backend (on FLASH_MSA: %s)",
-            sparse,
-            ops.describe(device, dtype, shape),
-            msa.topk_blocks,
-            msa.block_size,
-            msa.local_blocks,
-            msa.init_blocks,
-            layout.describe(tp_size),
-            list(msa.dense_layers),
-            describe_dense(device, dtype, shape.head_dim),
+        log_msa_layers(
+            "FlashMSAForCausalLM",
+            msa,
+            hf_config,
+            vllm_config,
+            "on the selected attention backend (on FLASH_MSA: {dense})",
         )
-        probe = torch.empty(0, device=device, dtype=dtype)
-        kernels_serve = ops.uses_cute_index_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
-        if probe.is_cuda and not kernels_serve:
-            logger.warning(
-                "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
-                "%s on this GPU; the steps named PyTorch above run the PyTorch path (same results, slower)",
-                shape.head_dim,
-                shape.index_head_dim,
-                shape.block_size,
-                dtype,
-            )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Index weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.

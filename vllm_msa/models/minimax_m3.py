@@ -22,9 +22,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from msa_kernels import ops
 from vllm_msa import compat
-from vllm_msa.backend import describe_dense
+from vllm_msa.backend import log_msa_layers
 from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
 from vllm_msa.layer import MSAAttention
 
@@ -144,19 +143,4 @@ class FlashMSAMiniMaxM3ForCausalLM(_M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM):
         msa = MSAModelConfig.from_minimax_m3(text_config)  # fail before building anything
         with _sparse_attention_class(FlashMSAMiniMaxM3Attention):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
-        layout = msa.rank_layout(text_config, tp_size, tp_rank)
-        device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
-        logger.info(
-            "MiniMax-M3: sparse layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), "
-            "dense layers %s on FLASH_MSA's dense path (%s)",
-            msa.sparse_layers(text_config.num_hidden_layers),
-            ops.describe(device, dtype, shape),
-            msa.topk_blocks,
-            msa.block_size,
-            msa.local_blocks,
-            msa.init_blocks,
-            layout.describe(tp_size),
-            list(msa.dense_layers),
-            describe_dense(device, dtype, shape.head_dim),
-        )
+        log_msa_layers("MiniMax-M3", msa, text_config, vllm_config, "on FLASH_MSA's dense path ({dense})")
