@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from msa_kernels import reference
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 
@@ -33,6 +34,13 @@ class PagedCase:
         index_keys = self.index_key_cache[pages].reshape(-1, *self.index_key_cache.shape[-2:])[:seq_len]
         q0, q1 = self.batch.query_start_loc_cpu[r], self.batch.query_start_loc_cpu[r + 1]
         return keys, values, index_keys, slice(q0, q1)
+
+    def reference_selection(self) -> torch.Tensor:
+        """The blocks [T, Hi, K] the reference selects for the case's queries, from float32 index scores."""
+        scores = reference.index_block_scores(
+            self.index_q.float(), self.index_key_cache.float(), self.batch, self.shape
+        )
+        return reference.topk_blocks(scores, self.batch.positions, self.shape)
 
     def dense_causal(self, r: int) -> torch.Tensor:
         """Plain causal GQA attention of request r's queries over its whole context, [q_len, Hq, D] float64."""

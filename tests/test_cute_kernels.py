@@ -221,8 +221,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     )
     q_lens, seq_lens = ATTENTION_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
-    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
-    selected = reference.topk_blocks(scores, case.batch.positions, shape)
+    selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
     if kernel == "per_token":
         got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
@@ -260,8 +259,7 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
         case.scale,
         out=torch.full_like(case.q, float("nan")),
     )
-    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
-    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
+    want_sel = case.reference_selection()
     assert torch.equal(selected, want_sel)
     want = reference.sparse_attention(case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale)
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0)
@@ -306,8 +304,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
-    want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
+    want_sel = case.reference_selection()
     assert torch.equal(selected[:n], want_sel)
     assert (selected[n:] == -1).all()
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)

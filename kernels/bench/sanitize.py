@@ -51,8 +51,7 @@ def main() -> None:
             case.scale,
             out=torch.full_like(case.q, float("nan")),
         )
-        scores = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
-        want_sel = reference.topk_blocks(scores, case.batch.positions, shape)
+        want_sel = case.reference_selection()
         want = reference.sparse_attention(
             case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale
         )
