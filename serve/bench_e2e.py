@@ -36,7 +36,7 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
   (--dense-backend replaces FLASH_ATTN.)
 
     python serve/bench_e2e.py MODEL_DIR --input-lens 8192 32768 131072 [--output-len 128]
-        [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--config NAME='vllm serve args' ...]
+        [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--config NAME='vllm serve args' ...] [--only NAME ...]
         [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
         [--port 8123] [--out DIR] [-- extra args for every server]
 
@@ -396,6 +396,13 @@ def parse_args(argv):
         metavar="NAME='ARGS'",
         help="a server configuration (repeatable); default: by the checkpoint's architecture",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="run only these of the configurations (e.g. --only dense: one more server's rows for an earlier run)",
+    )
     parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense (and dense-layer) runs")
     parser.add_argument(
         "--parallel-start",
@@ -419,10 +426,18 @@ def parse_args(argv):
     return opts, common
 
 
-def main(argv=None):
-    opts, common = parse_args(sys.argv[1:] if argv is None else argv)
+def server_configs(opts: argparse.Namespace) -> dict[str, list[str]]:
+    """The configurations to serve: --config's, else the checkpoint's defaults; only --only's names if given."""
     configs = {k: shlex.split(v) for k, v in (c.split("=", 1) for c in opts.config)}
     configs = configs or default_configs(opts.model_dir, opts.dense_backend)
+    if unknown := [name for name in opts.only if name not in configs]:
+        sys.exit(f"bench_e2e: --only names {', '.join(unknown)}; the configurations are {', '.join(configs)}")
+    return {name: args for name, args in configs.items() if name in opts.only or not opts.only}
+
+
+def main(argv=None):
+    opts, common = parse_args(sys.argv[1:] if argv is None else argv)
+    configs = server_configs(opts)
     opts.out.mkdir(parents=True, exist_ok=True)
     servers = [
         Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")

@@ -107,6 +107,14 @@ def test_flash_msa_default_configs_are_unchanged(demo_model):
     assert dense.attention_backend == "CPU_ATTN" and dense.hf_overrides["msa_config"]["dense_layers"] == [0, 1, 2, 3]
 
 
+def test_only_keeps_the_named_configurations_and_refuses_unknown_names(demo_model):
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--only", "dense"])
+    assert list(bench_e2e.server_configs(opts)) == ["dense"]
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--only", "dense", "FLASH"])
+    with pytest.raises(SystemExit, match="--only names FLASH; the configurations are FLASH_MSA, dense"):
+        bench_e2e.server_configs(opts)
+
+
 STAND_IN_VLLM = """
 import http.server, json, sys
 args = sys.argv[1:]
