@@ -26,7 +26,8 @@ shared
   fake.py                  symbolic tensors for compiling without a GPU
 
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with
-can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), compile (classmethod,
-on the symbolic tensors of fake_arguments), the @cute.jit __call__ (layouts, grid) and the @cute.kernel
-kernel, then its launcher. This file imports nothing; the kernel files import CuTeDSL.
+can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), fake_arguments
+(staticmethod: the symbolic arguments runtime.compiled_kernel compiles it on), the @cute.jit __call__
+(layouts, grid) and the @cute.kernel kernel, then its launcher. This file imports nothing; the kernel
+files import CuTeDSL.
 """

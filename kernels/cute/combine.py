@@ -6,7 +6,6 @@ per output element of the head dim. combine_splits launches it (for sparse_attn.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,9 +15,6 @@ from cutlass.cute.runtime import make_fake_stream
 
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 
 @dataclass(frozen=True)
@@ -30,10 +26,6 @@ class CombineParams:
 class CombineKernel:
     def __init__(self, params: CombineParams):
         self.p = params
-
-    @classmethod
-    def compile(cls, params: CombineParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: CombineParams) -> tuple:

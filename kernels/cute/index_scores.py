@@ -12,7 +12,6 @@ is read once per query token. index_block_scores launches it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -23,9 +22,6 @@ from cutlass.cute.runtime import make_fake_stream
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -67,10 +63,6 @@ class IndexScoreKernel:
             and index_head_dim % 8 == 0
             and 32 % (index_head_dim // 8) == 0
         )
-
-    @classmethod
-    def compile(cls, params: IndexScoreParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: IndexScoreParams) -> tuple:

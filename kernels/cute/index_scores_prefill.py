@@ -19,7 +19,6 @@ with -inf first.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,9 +32,6 @@ from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -77,10 +73,6 @@ class PrefillIndexScoreKernel:
     def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
         """bf16 index queries and keys, 128-token blocks, index head dim a multiple of 32 up to 256."""
         return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
-
-    @classmethod
-    def compile(cls, params: PrefillIndexScoreParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: PrefillIndexScoreParams) -> tuple:

@@ -32,13 +32,15 @@ logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so servin
 
 @functools.cache
 def compiled_kernel(kernel_cls: type, params: Hashable) -> Callable[..., Any]:
-    """kernel_cls.compile(params), once per process and kept on disk.
+    """kernel_cls(params) compiled on its symbolic kernel_cls.fake_arguments(params), once per process and kept
+    on disk.
 
     The disk cache (VLLM_MSA_KERNEL_CACHE, default ~/.cache/vllm_msa/kernels) holds CuTeDSL's exported
     object file per (kernel class, kernel sources: every file of kernels/cute, params, CuTeDSL version,
     GPU arch), named after the class; a later process loads it in milliseconds instead of compiling
     for seconds. Each compile or load is logged with its time.
     """
+    import cutlass.cute as cute
     from cutlass import __version__ as cutlass_version
     from cutlass.cute.runtime import load_module
 
@@ -58,7 +60,7 @@ def compiled_kernel(kernel_cls: type, params: Hashable) -> Callable[..., Any]:
             return kernel
         except Exception as error:  # a truncated or foreign file: compile again and replace it
             logger.warning("ignoring unreadable kernel cache file %s: %s", cached, error)
-    kernel = kernel_cls.compile(params)
+    kernel = cute.compile(kernel_cls(params), *kernel_cls.fake_arguments(params))
     logger.info("compiled %s %s in %.2f s", kernel_name, params, time.perf_counter() - start)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ attend_per_token (the same on converted inputs, also for the tiles sparse_attn_p
 import functools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -45,9 +44,6 @@ from msa_kernels.cute.warp_mma import (
     swizzled_rows,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -90,10 +86,6 @@ class SparseAttentionKernel:
     def can_implement(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """bf16 queries and K/V, 128-token blocks, head dim a multiple of 32 up to 256."""
         return dtype == torch.bfloat16 and block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
-
-    @classmethod
-    def compile(cls, params: SparseAttentionParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: SparseAttentionParams) -> tuple:

@@ -19,7 +19,6 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -40,9 +39,6 @@ from msa_kernels.cute.warp_mma import (
     warpgroup_gemm_nt,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
@@ -92,10 +88,6 @@ class PrefillAttentionKernel:
         return (
             dtype == torch.bfloat16 and block_size == 128 and head_dim in (64, 128) and 4 <= m <= ROWS and ROWS % m == 0
         )
-
-    @classmethod
-    def compile(cls, params: PrefillAttentionParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: PrefillAttentionParams) -> tuple:

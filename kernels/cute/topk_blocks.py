@@ -15,7 +15,6 @@ slots skip the search and take every visible block. topk_blocks launches it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -26,9 +25,6 @@ from cutlass.cute.runtime import make_fake_stream
 from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
 from msa_kernels.shapes import MSAShape
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -53,10 +49,6 @@ class TopkBlocksKernel:
     def can_implement(cls, dtype: torch.dtype) -> bool:
         """fp32 block scores (read as their bit patterns); any K, L, I and block size."""
         return dtype == torch.float32
-
-    @classmethod
-    def compile(cls, params: TopkBlocksParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
 
     @staticmethod
     def fake_arguments(params: TopkBlocksParams) -> tuple:
