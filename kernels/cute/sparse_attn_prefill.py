@@ -26,10 +26,9 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.cute.sparse_attn import attend_per_token, attention_inputs
 from msa_kernels.cute.warp_mma import (
     acc_as_a_operand,
@@ -105,7 +104,7 @@ class PrefillAttentionKernel:
             row_major(i32, 2),  # handled
             cutlass.Int32(0),  # max_union
             cutlass.Float32(1.0),
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -453,13 +452,7 @@ def prefill_sparse_attention(
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
     compiled_kernel(PrefillAttentionKernel, params)(
-        *inputs,
-        as_cute(batch.request_tiles(params.tokens_per_tile)),
-        as_cute(result, rows16=True),
-        as_cute(handled),
-        max_union,
-        scale,
-        current_stream(),
+        *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
     )
     if max_union < params.candidates:  # some tiles were left
         attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled)
