@@ -99,6 +99,18 @@ def test_kernel_cache_replaces_an_unreadable_file(sm90a):
     assert cached.stat().st_size > 1000
 
 
+def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
+    """The compiled function checks its tensors against kernels/cute/fake.py before it touches the GPU: a
+    base address off the 16-byte alignment partial_out declares is a ValueError, compiled and loaded."""
+    params = CombineParams(8, 32)
+    misaligned = torch.zeros(2 * 3 * 8 * 32 + 1)[1:].view(2, 3, 8, 32)
+    lse, out = torch.zeros(2, 3, 8), torch.zeros(3, 8, 32, dtype=torch.bfloat16)
+    compile_kernel = compiled_kernel.__wrapped__
+    for combine in (compile_kernel(CombineKernel, params), compile_kernel(CombineKernel, params)):  # the 2nd loads
+        with pytest.raises(ValueError, match="Misaligned Tensor data on argument #0.*alignment=16 bytes"):
+            combine(misaligned, lse, out)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # Decode, prefill and mixed batches: both index-score kernels serve any batch (ops gives each part its phase's kernel).

@@ -17,11 +17,11 @@ import torch
 from msa_kernels import ops
 from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
 from msa_kernels.bench.timing import ceilings, timed
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.cute.runtime import compiled_kernel
 
 
 def index_score_time(module, index_q, index_keys, batch) -> float:
-    """One kernel call per iteration on prepared arguments (the -inf fill and conversions excluded)."""
+    """One kernel call per iteration on prepared arguments (the -inf fill and the tiles excluded)."""
     source = importlib.import_module(f"msa_kernels.cute.{module}")
     params = source.PrefillIndexScoreParams(
         M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads, M3_SHAPE.index_head_dim
@@ -31,13 +31,12 @@ def index_score_time(module, index_q, index_keys, batch) -> float:
         (batch.num_tokens, M3_SHAPE.num_index_heads, batch.block_table.shape[1]), float("-inf"), device="cuda"
     )
     args = (
-        as_cute(index_q, rows16=True),
-        as_cute(index_keys, rows16=True),
-        as_cute(batch.block_table),
-        as_cute(batch.positions),
-        as_cute(batch.request_tiles(source.PREFILL_TILE_TOKENS)),
-        as_cute(out),
-        current_stream(),
+        index_q,
+        index_keys,
+        batch.block_table,
+        batch.positions,
+        batch.request_tiles(source.PREFILL_TILE_TOKENS),
+        out,
     )
     return timed(lambda: kernel(*args), iters=5)
 

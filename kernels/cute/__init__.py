@@ -19,14 +19,15 @@ both phases
   topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (threshold
                            search, one CTA per row)
 shared
-  runtime.py               compiled_kernel(kernel class, params): compiled once per process, exported
-                           object files on disk across processes; torch tensors to the kernels' form
-                           (dlpack), the current stream, SM count, output copies
+  runtime.py               compiled_kernel(kernel class, params): compiled once per process for TVM-FFI
+                           calls with torch tensors on torch's current stream, exported object files on
+                           disk across processes; SM count, output copies
   warp_mma.py              MMA fragments, online softmax rows, tile copies, swizzles
-  fake.py                  symbolic tensors for compiling without a GPU
+  fake.py                  symbolic tensors and stream for compiling without a GPU; what a call checks
 
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with
-can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), compile (classmethod,
-on the symbolic tensors of fake_arguments), the @cute.jit __call__ (layouts, grid) and the @cute.kernel
-kernel, then its launcher. This file imports nothing; the kernel files import CuTeDSL.
+can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), fake_arguments
+(staticmethod: the symbolic arguments runtime.compiled_kernel compiles it on), the @cute.jit __call__
+(layouts, grid) and the @cute.kernel kernel, then its launcher. This file imports nothing; the kernel
+files import CuTeDSL.
 """

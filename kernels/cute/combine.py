@@ -6,19 +6,14 @@ per output element of the head dim. combine_splits launches it (for sparse_attn.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel
 
 
 @dataclass(frozen=True)
@@ -31,17 +26,13 @@ class CombineKernel:
     def __init__(self, params: CombineParams):
         self.p = params
 
-    @classmethod
-    def compile(cls, params: CombineParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: CombineParams) -> tuple:
         return (
             row_major(cutlass.Float32, 4, align=16),  # partial_out
             row_major(cutlass.Float32, 3),  # partial_lse
             row_major(cutlass.BFloat16, 3, align=16),  # out
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -82,6 +73,4 @@ class CombineKernel:
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
     _, _, num_q_heads, head_dim = partial_out.shape
-    compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))(
-        as_cute(partial_out, rows16=True), as_cute(partial_lse), as_cute(out, rows16=True), current_stream()
-    )
+    compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))(partial_out, partial_lse, out)

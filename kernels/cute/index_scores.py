@@ -12,20 +12,15 @@ is read once per query token. index_block_scores launches it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -68,10 +63,6 @@ class IndexScoreKernel:
             and 32 % (index_head_dim // 8) == 0
         )
 
-    @classmethod
-    def compile(cls, params: IndexScoreParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: IndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
@@ -83,7 +74,7 @@ class IndexScoreKernel:
             row_major(i32, 1),  # token_request
             row_major(i32, 1),  # token_position
             row_major(cutlass.Float32, 3),  # out
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -179,12 +170,11 @@ def index_block_scores(
     )
     params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
     compiled_kernel(IndexScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True),
-        as_cute(index_key_cache, rows16=True),
-        as_cute(batch.block_table.to(torch.int32)),
-        as_cute(batch.token_requests),
-        as_cute(batch.positions),
-        as_cute(out),
-        current_stream(),
+        index_q.contiguous(),
+        index_key_cache,
+        batch.block_table.to(torch.int32),
+        batch.token_requests,
+        batch.positions,
+        out,
     )
     return out

@@ -19,7 +19,6 @@ with -inf first.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -27,15 +26,11 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, current_stream
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -78,10 +73,6 @@ class PrefillIndexScoreKernel:
         """bf16 index queries and keys, 128-token blocks, index head dim a multiple of 32 up to 256."""
         return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
 
-    @classmethod
-    def compile(cls, params: PrefillIndexScoreParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: PrefillIndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
@@ -93,7 +84,7 @@ class PrefillIndexScoreKernel:
             row_major(i32, 1),  # token_position
             row_major(i32, 2),  # tiles
             row_major(cutlass.Float32, 3),  # out
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -296,12 +287,11 @@ def prefill_index_block_scores(
         shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
     )
     compiled_kernel(PrefillIndexScoreKernel, params)(
-        as_cute(index_q.contiguous(), rows16=True),
-        as_cute(index_key_cache, rows16=True),
-        as_cute(batch.block_table.to(torch.int32)),
-        as_cute(batch.positions),
-        as_cute(batch.request_tiles(PREFILL_TILE_TOKENS)),
-        as_cute(out),
-        current_stream(),
+        index_q.contiguous(),
+        index_key_cache,
+        batch.block_table.to(torch.int32),
+        batch.positions,
+        batch.request_tiles(PREFILL_TILE_TOKENS),
+        out,
     )
     return out

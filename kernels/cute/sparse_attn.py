@@ -23,18 +23,16 @@ attend_per_token (the same on converted inputs, also for the tiles sparse_attn_p
 import functools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.nvgpu import cpasync, warp
-from cutlass.cute.runtime import make_fake_stream
 
 from msa_kernels.cute.combine import combine_splits
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream, num_sms
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into, num_sms
 from msa_kernels.cute.warp_mma import (
     as_a_operand,
     copy_rows,
@@ -45,9 +43,6 @@ from msa_kernels.cute.warp_mma import (
     swizzled_rows,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -91,10 +86,6 @@ class SparseAttentionKernel:
         """bf16 queries and K/V, 128-token blocks, head dim a multiple of 32 up to 256."""
         return dtype == torch.bfloat16 and block_size == 128 and head_dim % 32 == 0 and head_dim <= 256
 
-    @classmethod
-    def compile(cls, params: SparseAttentionParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: SparseAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
@@ -112,7 +103,7 @@ class SparseAttentionKernel:
             row_major(i32, 2) if params.gated else None,  # handled
             cutlass.Float32(1.0),
             cutlass.Int32(1),
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -396,20 +387,16 @@ def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, reside
 
 
 def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, selected: torch.Tensor) -> tuple:
-    """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them, converted
-    once: the prefill kernel and the per-token kernel for the tiles it leaves share them."""
+    """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them (q
+    contiguous, int32 indices), made once: the prefill kernel and the per-token kernel for the tiles it
+    leaves share them."""
     return (
-        as_cute(q.contiguous(), rows16=True),
-        as_cute(kv_cache, rows16=True),
-        *(
-            as_cute(t)
-            for t in (
-                batch.block_table.to(torch.int32),
-                batch.seq_lens.to(torch.int32),
-                batch.positions,
-                selected.to(torch.int32).contiguous(),
-            )
-        ),
+        q.contiguous(),
+        kv_cache,
+        batch.block_table.to(torch.int32),
+        batch.seq_lens.to(torch.int32),
+        batch.positions,
+        selected.to(torch.int32).contiguous(),
     )
 
 
@@ -459,21 +446,15 @@ def attend_per_token(
     else:
         per_split = -(-topk // splits)
         splits = -(-topk // per_split)
-    token_inputs = (q, kv_cache, block_table, seq_lens, as_cute(batch.token_requests), positions, selected)
+    token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
     lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=result.device)
     if splits == 1:
         compiled_kernel(SparseAttentionKernel, params)(
-            *token_inputs,
-            as_cute(result.view(1, num_tokens, hq, d), rows16=True),
-            as_cute(lse),
-            None if handled is None else as_cute(handled),
-            scale,
-            per_split,
-            current_stream(),
+            *token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, per_split
         )
     else:
         partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
         compiled_kernel(SparseAttentionKernel, replace(params, split=True))(
-            *token_inputs, as_cute(partial, rows16=True), as_cute(lse), None, scale, per_split, current_stream()
+            *token_inputs, partial, lse, None, scale, per_split
         )
         combine_splits(partial, lse, result)

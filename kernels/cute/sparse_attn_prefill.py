@@ -19,7 +19,6 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -27,10 +26,9 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.cute.sparse_attn import attend_per_token, attention_inputs
 from msa_kernels.cute.warp_mma import (
     acc_as_a_operand,
@@ -40,9 +38,6 @@ from msa_kernels.cute.warp_mma import (
     warpgroup_gemm_nt,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
@@ -93,10 +88,6 @@ class PrefillAttentionKernel:
             dtype == torch.bfloat16 and block_size == 128 and head_dim in (64, 128) and 4 <= m <= ROWS and ROWS % m == 0
         )
 
-    @classmethod
-    def compile(cls, params: PrefillAttentionParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: PrefillAttentionParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
@@ -113,7 +104,7 @@ class PrefillAttentionKernel:
             row_major(i32, 2),  # handled
             cutlass.Int32(0),  # max_union
             cutlass.Float32(1.0),
-            make_fake_stream(),
+            env_stream(),
         )
 
     @cute.jit
@@ -461,13 +452,7 @@ def prefill_sparse_attention(
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
     compiled_kernel(PrefillAttentionKernel, params)(
-        *inputs,
-        as_cute(batch.request_tiles(params.tokens_per_tile)),
-        as_cute(result, rows16=True),
-        as_cute(handled),
-        max_union,
-        scale,
-        current_stream(),
+        *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
     )
     if max_union < params.candidates:  # some tiles were left
         attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled)

@@ -15,20 +15,15 @@ slots skip the search and take every visible block. topk_blocks launches it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass.cute.runtime import make_fake_stream
 
-from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.runtime import as_cute, compiled_kernel, contiguous_out, copy_into, current_stream
+from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.shapes import MSAShape
-
-if TYPE_CHECKING:
-    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -54,15 +49,11 @@ class TopkBlocksKernel:
         """fp32 block scores (read as their bit patterns); any K, L, I and block size."""
         return dtype == torch.float32
 
-    @classmethod
-    def compile(cls, params: TopkBlocksParams) -> "JitCompiledFunction":
-        return cute.compile(cls(params), *cls.fake_arguments(params))
-
     @staticmethod
     def fake_arguments(params: TopkBlocksParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         i32 = cutlass.Int32
-        return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), make_fake_stream())
+        return (row_major(i32, 3), row_major(i32, 1), row_major(i32, 3), env_stream())
 
     @cute.jit
     def __call__(
@@ -198,9 +189,6 @@ def topk_blocks(
     if num_tokens:
         params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
         compiled_kernel(TopkBlocksKernel, params)(
-            as_cute(scores.contiguous().view(torch.int32)),
-            as_cute(positions.to(torch.int32)),
-            as_cute(result),
-            current_stream(),
+            scores.contiguous().view(torch.int32), positions.to(torch.int32), result
         )
     return copy_into(result, out)

@@ -1,0 +1,106 @@
+"""Host (Python) time of one eager MSA layer call, ops.msa_attention, at M3 shapes, with a cProfile breakdown.
+
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_host_overhead.py [--calls N] [--group G] [--top K]
+
+(on the GPU machine, CuTeDSL installed; importable anywhere, only main() needs a GPU). Cases: decode
+batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
+SCALE, paged_problem of msa_kernels.bench.problems; the output written into a preallocated buffer, as
+vLLM's backend passes it). Each case reuses one batch, as the layers of a step share theirs, so
+what is measured is a layer's own cost, not the step's.
+
+host us/call   wall time until the call returns, averaged over --calls calls: the calls run in groups
+               of --group with a synchronize between groups (not timed), so the GPU's launch queue never
+               fills and makes a launch wait for the GPU
+synced us/call the same groups' wall time with the synchronize included: the GPU's time where it is
+               the larger (then the host time above hides behind the GPU in serving)
+Then, per case, cProfile over the same groups (the synchronize outside the profile): the --top
+functions by own time (tottime), with their call counts per layer call.
+
+Warm-up calls come first (the first compiles or loads the kernels); the table says which
+implementation runs each step (ops.describe), since the PyTorch path would be timed otherwise.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from msa_kernels import ops
+from msa_kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
+
+REPO = str(Path(__file__).resolve().parents[2]) + "/"
+CONTEXT = 32768
+CASES = {  # name: requests (context tokens, of which new)
+    "decode batch 1": [(CONTEXT, 1)],
+    "decode batch 32": [(CONTEXT, 1)] * 32,
+    "prefill chunk 2048": [(CONTEXT, 2048)],
+}
+
+
+def layer_call(requests: list[tuple[int, int]]):
+    """A no-argument eager ops.msa_attention call on one problem of these requests."""
+    batch, q, index_q, kv, index_keys, _ = paged_problem(requests)
+    out = torch.empty_like(q)
+    return lambda: ops.msa_attention(q, index_q, kv, index_keys, batch, M3_SHAPE, SCALE, out=out)
+
+
+def run_groups(call, calls: int, group: int, profile: cProfile.Profile | None = None) -> tuple[float, float]:
+    """(host seconds per call, synced seconds per call) over `calls` calls in groups of `group`."""
+    host = synced = 0.0
+    done = 0
+    while done < calls:
+        n = min(group, calls - done)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        for _ in range(n):
+            call()
+        if profile is not None:
+            profile.disable()
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+        host += returned - start
+        synced += time.perf_counter() - start
+        done += n
+    return host / calls, synced / calls
+
+
+def breakdown(profile: cProfile.Profile, calls: int, top: int) -> str:
+    """The top functions by own time, per layer call."""
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    lines = ["| function | calls/layer | own us/layer | cumulative us/layer |", "|---|---|---|---|"]
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{file.removeprefix(REPO).rsplit('site-packages/', 1)[-1]}:{line}({name})" if line else name
+        lines.append(f"| {where} | {ncalls / calls:.1f} | {tottime / calls * 1e6:.1f} | {cumtime / calls * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=1000, help="timed calls per case (and as many profiled)")
+    parser.add_argument("--group", type=int, default=4, help="calls between two synchronizes")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed calls first")
+    parser.add_argument("--top", type=int, default=25, help="functions of the cProfile breakdown")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}\n")
+    calls = {name: layer_call(requests) for name, requests in CASES.items()}
+    print("| case | host us/call | synced us/call |\n|---|---|---|")
+    for name, call in calls.items():
+        run_groups(call, args.warmup, args.group)
+        host, synced = run_groups(call, args.calls, args.group)
+        print(f"| {name} | {host * 1e6:.1f} | {synced * 1e6:.1f} |", flush=True)
+    for name, call in calls.items():
+        profile = cProfile.Profile()
+        run_groups(call, args.calls, args.group, profile)
+        print(f"\n{name}: cProfile, top {args.top} by own time (profiling slows each Python call)\n")
+        print(breakdown(profile, args.calls, args.top), flush=True)
+
+
+if __name__ == "__main__":
+    main()
