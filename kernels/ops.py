@@ -27,6 +27,7 @@ syncs the host and has no data-dependent shapes: a full-graph decode step can be
 """
 
 import functools
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -35,7 +36,10 @@ import torch
 from msa_kernels import reference
 from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
-CUTE_DSL_REQUIREMENT = "nvidia-cutlass-dsl==4.8.0"  # pyproject.toml's; the version vLLM 0.34 pins
+CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.34's pin), its calling convention
+    "cutlass": "nvidia-cutlass-dsl==4.8.0",
+    "tvm_ffi": "apache-tvm-ffi>=0.1.11,<0.2",
+}
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show it
 
 
@@ -43,16 +47,18 @@ logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so servin
 def _cute_available(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as error:
-        logger.warning(
-            "FLASH_MSA: CuTeDSL is not importable (%s), so the MSA steps run the PyTorch path on this Hopper GPU "
-            "(same results, far slower): pip install '%s'",
-            error,
-            CUTE_DSL_REQUIREMENT,
-        )
-        return False
+    for module, requirement in CUTE_DSL_REQUIREMENTS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            logger.warning(
+                "FLASH_MSA: %s is not importable (%s), so the MSA steps run the PyTorch path on this Hopper GPU "
+                "(same results, far slower): pip install '%s'",
+                module,
+                error,
+                requirement,
+            )
+            return False
     return True
 
 
