@@ -24,6 +24,9 @@ step's batch once (PagedBatch.split with vLLM's count of decode requests, kept o
 layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here the same way.
 A batch of one phase runs as it is. A decode part never
 syncs the host and has no data-dependent shapes: a full-graph decode step can be captured.
+
+An FP8 index-key cache (msa_kernels.fp8_index_keys) has no CuTeDSL kernel yet: its index scores run the
+reference on every device (on a Hopper GPU with a one-time warning), never a kernel that reads bf16.
 """
 
 import functools
@@ -34,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from msa_kernels import reference
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.34's pin), its calling convention
@@ -66,16 +70,26 @@ def _on_hopper(t: torch.Tensor) -> bool:
     return t.is_cuda and _cute_available(t.device.index or 0)
 
 
-def _index_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
+def _index_scores_step(index_q: torch.Tensor, index_key_dtype: torch.dtype, shape: MSAShape, phase: Phase) -> Callable:
     if _on_hopper(index_q):
         from msa_kernels.cute import index_scores, index_scores_prefill
 
-        served = (index_q.dtype, shape.index_head_dim, shape.block_size)
+        served = (index_q.dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
         if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
             return index_scores_prefill.prefill_index_block_scores
         if index_scores.IndexScoreKernel.can_implement(*served):
             return index_scores.index_block_scores
+        if index_key_dtype == Fp8IndexKeyCache.dtype:
+            _warn_fp8_index_keys_run_the_reference()
     return reference.index_block_scores
+
+
+@functools.cache
+def _warn_fp8_index_keys_run_the_reference() -> None:
+    logger.warning(
+        "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL index-score kernels do not read FP8 index keys yet, so the "
+        "index scores run the PyTorch path on this GPU (the same FP8 scores, far slower; no full CUDA graphs)"
+    )
 
 
 def _topk_step(scores: torch.Tensor) -> Callable:
@@ -112,9 +126,13 @@ def _parts(batch: PagedBatch) -> list[tuple[slice, PagedBatch]]:
     return rows
 
 
-def uses_cute_index_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
-    """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries."""
-    return _index_scores_step(index_q, shape, phase) is not reference.index_block_scores
+def uses_cute_index_scores(
+    index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode", index_key_dtype: torch.dtype | None = None
+) -> bool:
+    """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries and an
+    index-key cache of index_key_dtype (None: the queries' dtype; Fp8IndexKeyCache.dtype: an FP8 cache)."""
+    step = _index_scores_step(index_q, index_key_dtype or index_q.dtype, shape, phase)
+    return step is not reference.index_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
@@ -127,32 +145,42 @@ def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = 
     return _attention_step(q, shape, phase) is not reference.sparse_attention
 
 
-def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
+def describe(
+    device: torch.device, dtype: torch.dtype, shape: MSAShape, index_key_dtype: torch.dtype | None = None
+) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
-    decode part does)."""
+    decode part does); index_key_dtype as for uses_cute_index_scores."""
     probe = torch.empty(0, device=device, dtype=dtype)
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # index scores' dtype
-    index = "CuTeDSL" if uses_cute_index_scores(probe, shape) else "PyTorch"
+    index = "CuTeDSL" if uses_cute_index_scores(probe, shape, index_key_dtype=index_key_dtype) else "PyTorch"
     topk = "CuTeDSL" if uses_cute_topk(torch.empty(0, device=device, dtype=score_dtype)) else "PyTorch"
     attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
     return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
 
 
-def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, index_scores: bool = True) -> bool:
+def graph_capturable(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: MSAShape,
+    index_scores: bool = True,
+    index_key_dtype: torch.dtype | None = None,
+) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
-    loop over requests on the host."""
+    loop over requests on the host. index_key_dtype as for uses_cute_index_scores."""
     probe = torch.empty(0, device=device, dtype=dtype)
     served = uses_cute_sparse_attention(probe, shape)
-    return served and (not index_scores or uses_cute_index_scores(probe, shape))
+    return served and (not index_scores or uses_cute_index_scores(probe, shape, index_key_dtype=index_key_dtype))
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
     """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
     scores = [
-        _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
+        _index_scores_step(index_q, index_key_cache.dtype, shape, part.phase)(
+            index_q[rows], index_key_cache, part, shape
+        )
         for rows, part in _parts(batch)
     ]
     if len(scores) == 1:
@@ -162,7 +190,7 @@ def index_block_scores(
 
 def select_blocks(
     index_q: torch.Tensor,
-    index_key_cache: torch.Tensor,
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
     batch: PagedBatch,
     shape: MSAShape,
     out: torch.Tensor | None = None,
@@ -177,7 +205,8 @@ def select_blocks(
         )
     )
     for rows, part in _parts(batch):
-        scores = _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
+        index_scores = _index_scores_step(index_q, index_key_cache.dtype, shape, part.phase)
+        scores = index_scores(index_q[rows], index_key_cache, part, shape)
         _topk_step(scores)(scores, part.positions, shape, out=selected[rows])
     return selected
 
@@ -203,7 +232,7 @@ def msa_attention(
     q: torch.Tensor,
     index_q: torch.Tensor,
     kv_cache: torch.Tensor,
-    index_key_cache: torch.Tensor,
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
     batch: PagedBatch,
     shape: MSAShape,
     scale: float,
