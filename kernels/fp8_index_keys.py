@@ -26,7 +26,8 @@ max(amax(|x|), 1e-4) / 448 in float32, values = e4m3(x / scale), rounded to near
 +-448 (vLLM's op: cvt with satfinite). Index scores with FP8 index keys quantise the index queries the
 same way per (token, index head), as FP8 MMAs need both operands in e4m3; the query scale is one positive
 factor per (token, head), so it does not change which blocks rank highest (reference.index_block_scores
-is the function).
+is the function). Decode, whose kernel could keep bf16 queries, rounds them too: one function for both
+phases, so a token recomputed in a prefill chunk after a preemption selects what it selected in decode.
 """
 
 from dataclasses import dataclass

@@ -166,3 +166,20 @@ def test_fp8_index_keys_run_the_reference_on_hopper_with_one_warning_naming_it(o
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8).startswith("index scores: PyTorch")
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "do not read FP8 index keys yet" in warnings[0], warnings
+
+
+def test_agreement_benchmark_counts_sets_blocks_and_cosines():
+    """kernels/bench/fp8_index_agreement.py's bookkeeping: with top-k covering every block nothing can differ."""
+    from msa_kernels.bench.fp8_index_agreement import Agreement, random_inputs
+
+    every_block = _shape(num_index_key_heads=1, index_head_dim=128, topk_blocks=8, block_size=128)
+    agreement = Agreement()
+    agreement.add(random_inputs(every_block, 1000, tokens=4, seed=0))  # 8 blocks
+    assert (agreement.sets, agreement.identical, agreement.blocks, agreement.shared_blocks) == (16, 16, 128, 128)
+    assert torch.cat(agreement.cosines).min().item() > 1 - 1e-6
+    sparse = Agreement()
+    sparse.add(random_inputs(_shape(num_index_key_heads=1, index_head_dim=128, block_size=16), 1000, 32, seed=0))
+    assert sparse.sets == 128 and sparse.blocks == 128 * 3 and sparse.identical < sparse.sets  # top-3 of 63
+    assert sparse.identical * 3 <= sparse.shared_blocks < sparse.blocks
+    assert torch.cat(sparse.cosines).min().item() < 1 - 1e-3  # a differing set changes its token's output
+    assert sparse.row(1000, 1.0).startswith("| 1000 | 128 | ")
