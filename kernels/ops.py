@@ -30,6 +30,7 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -62,79 +63,89 @@ def _cute_available(device_index: int) -> bool:
     return True
 
 
-def _on_hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and _cute_available(t.device.index or 0)
+def _on_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and _cute_available(device.index or 0)
 
 
-def _index_scores_step(index_q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
-    if _on_hopper(index_q):
-        from msa_kernels.cute import index_scores, index_scores_prefill
+class Steps(NamedTuple):
+    """The implementations of one phase's part: index scores, top-k, sparse attention (on a contiguous K/V
+    cache; a strided one runs the reference)."""
 
-        served = (index_q.dtype, shape.index_head_dim, shape.block_size)
-        if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
-            return index_scores_prefill.prefill_index_block_scores
-        if index_scores.IndexScoreKernel.can_implement(*served):
-            return index_scores.index_block_scores
-    return reference.index_block_scores
+    index_scores: Callable
+    topk: Callable
+    attention: Callable
 
 
-def _topk_step(scores: torch.Tensor) -> Callable:
-    if _on_hopper(scores):
-        from msa_kernels.cute import topk_blocks
+@functools.cache
+def _steps(device: torch.device, dtype: torch.dtype, shape: MSAShape, phase: Phase) -> Steps:
+    """What runs each step of a part of this phase, for inputs of this device and dtype: chosen once per
+    (device, dtype, shape, phase), since an eager layer call must cost microseconds of host time."""
+    steps = Steps(reference.index_block_scores, reference.topk_blocks, reference.sparse_attention)
+    if not _on_hopper(device):
+        return steps
+    from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
 
-        if topk_blocks.TopkBlocksKernel.can_implement(scores.dtype):
-            return topk_blocks.topk_blocks
-    return reference.topk_blocks
+    served = (dtype, shape.index_head_dim, shape.block_size)
+    if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
+    elif index_scores.IndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores.index_block_scores)
+    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
+    if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
+        steps = steps._replace(topk=topk_blocks.topk_blocks)
+    heads = (shape.num_q_heads, shape.num_index_heads)
+    if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
+        dtype, *heads, shape.head_dim, shape.block_size
+    ):
+        steps = steps._replace(attention=sparse_attn_prefill.prefill_sparse_attention)
+    elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
+        steps = steps._replace(attention=sparse_attn.sparse_attention)
+    return steps
 
 
-def _attention_step(q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
-    if _on_hopper(q):
-        from msa_kernels.cute import sparse_attn, sparse_attn_prefill
-
-        heads = (shape.num_q_heads, shape.num_index_heads)
-        if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
-            q.dtype, *heads, shape.head_dim, shape.block_size
-        ):
-            return sparse_attn_prefill.prefill_sparse_attention
-        if sparse_attn.SparseAttentionKernel.can_implement(q.dtype, shape.head_dim, shape.block_size):
-            return sparse_attn.sparse_attention
-    return reference.sparse_attention
-
-
-def _parts(batch: PagedBatch) -> list[tuple[slice, PagedBatch]]:
-    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns."""
-    parts = batch.split() if batch.phase == "mixed" else (batch,)
+def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
+    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns
+    (None: all of them, so a one-phase batch's tensors are passed without slicing)."""
+    if batch.phase != "mixed":
+        return [(None, batch)] if batch.num_tokens else []
     rows, first = [], 0
-    for part in parts:
-        if part is not None and part.num_tokens:
+    for part in batch.split():
+        if part is not None:
             rows.append((slice(first, first + part.num_tokens), part))
             first += part.num_tokens
     return rows
 
 
+def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
 def uses_cute_index_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries."""
-    return _index_scores_step(index_q, shape, phase) is not reference.index_block_scores
+    return _steps(index_q.device, index_q.dtype, shape, phase).index_scores is not reference.index_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
     """Whether the CuTeDSL kernel selects the top-k blocks from such scores."""
-    return _topk_step(scores) is not reference.topk_blocks
+    if not _on_hopper(scores.device):
+        return False
+    from msa_kernels.cute import topk_blocks
+
+    return topk_blocks.TopkBlocksKernel.can_implement(scores.dtype)
 
 
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
-    return _attention_step(q, shape, phase) is not reference.sparse_attention
+    return _steps(q.device, q.dtype, shape, phase).attention is not reference.sparse_attention
 
 
 def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
     decode part does)."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # index scores' dtype
-    index = "CuTeDSL" if uses_cute_index_scores(probe, shape) else "PyTorch"
-    topk = "CuTeDSL" if uses_cute_topk(torch.empty(0, device=device, dtype=score_dtype)) else "PyTorch"
-    attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
+    steps = _steps(torch.device(device), dtype, shape, "decode")
+    index = "PyTorch" if steps.index_scores is reference.index_block_scores else "CuTeDSL"
+    topk = "PyTorch" if steps.topk is reference.topk_blocks else "CuTeDSL"
+    attention = "PyTorch" if steps.attention is reference.sparse_attention else "CuTeDSL"
     return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
 
 
@@ -142,9 +153,9 @@ def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, 
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
     loop over requests on the host."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    served = uses_cute_sparse_attention(probe, shape)
-    return served and (not index_scores or uses_cute_index_scores(probe, shape))
+    steps = _steps(torch.device(device), dtype, shape, "decode")
+    served = steps.attention is not reference.sparse_attention
+    return served and (not index_scores or steps.index_scores is not reference.index_block_scores)
 
 
 def index_block_scores(
@@ -152,7 +163,9 @@ def index_block_scores(
 ) -> torch.Tensor:
     """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
     scores = [
-        _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
+        _steps(index_q.device, index_q.dtype, shape, part.phase).index_scores(
+            _rows(index_q, rows), index_key_cache, part, shape
+        )
         for rows, part in _parts(batch)
     ]
     if len(scores) == 1:
@@ -177,8 +190,9 @@ def select_blocks(
         )
     )
     for rows, part in _parts(batch):
-        scores = _index_scores_step(index_q, shape, part.phase)(index_q[rows], index_key_cache, part, shape)
-        _topk_step(scores)(scores, part.positions, shape, out=selected[rows])
+        steps = _steps(index_q.device, index_q.dtype, shape, part.phase)
+        scores = steps.index_scores(_rows(index_q, rows), index_key_cache, part, shape)
+        steps.topk(scores, part.positions, shape, out=_rows(selected, rows))
     return selected
 
 
@@ -193,9 +207,10 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given)."""
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
+    contiguous = kv_cache.is_contiguous()
     for rows, part in _parts(batch):
-        attend = _attention_step(q, shape, part.phase) if kv_cache.is_contiguous() else reference.sparse_attention
-        attend(q[rows], kv_cache, part, selected[rows], shape, scale, out=result[rows])
+        attend = _steps(q.device, q.dtype, shape, part.phase).attention if contiguous else reference.sparse_attention
+        attend(_rows(q, rows), kv_cache, part, _rows(selected, rows), shape, scale, out=_rows(result, rows))
     return result
 
 

@@ -83,10 +83,17 @@ class PagedBatch:
     chunked-prefill requests, any number of tokens) or "mixed" (not split yet: see split).
     """
 
-    query_start_loc: torch.Tensor  # [R + 1] int
-    seq_lens: torch.Tensor  # [R] int
-    block_table: torch.Tensor  # [R, max_blocks] int
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, max_blocks] int32
     phase: Phase = "mixed"
+
+    def __post_init__(self) -> None:
+        """int32 index tensors, as the kernels take them. vLLM's builder buffers already are, so they pass
+        as they are (a full CUDA graph replays on those very buffers); other callers' are converted here."""
+        for name in ("query_start_loc", "seq_lens", "block_table"):
+            if getattr(self, name).dtype != torch.int32:
+                setattr(self, name, getattr(self, name).to(torch.int32))
 
     @cached_property
     def query_start_loc_cpu(self) -> list[int]:

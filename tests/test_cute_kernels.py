@@ -175,7 +175,7 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
         local_blocks=local,
         init_blocks=init,
     )
-    positions = torch.tensor(TOPK_POSITIONS, device="cuda")
+    positions = torch.tensor(TOPK_POSITIONS, dtype=torch.int32, device="cuda")  # as PagedBatch.positions
     max_blocks = 1100
     generator = torch.Generator(device="cuda").manual_seed(k * 100 + local * 10 + init + ties)
     size = (len(TOPK_POSITIONS), shape.num_index_heads, max_blocks)
