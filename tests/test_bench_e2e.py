@@ -43,6 +43,23 @@ def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attent
     assert params < 100e6, params
 
 
+def test_m3_layer_mix_preset_has_m3s_layers_with_m3_attentions_shapes(m3_attention_model):
+    from serve.build_m3_model import PRESETS, make_config
+    from vllm_msa.config import MSAModelConfig
+
+    text_config_class = type(parsed_config(m3_attention_model).get_text_config())  # as this vLLM reads M3
+
+    def text(preset):
+        return text_config_class(**make_config(**PRESETS[preset])["text_config"])
+
+    mix, production, attention = text("m3-layer-mix"), text("production"), text("m3-attention")
+    msa = MSAModelConfig.from_minimax_m3(mix)
+    assert msa.dense_layers == MSAModelConfig.from_minimax_m3(production).dense_layers == (0, 1, 2)
+    assert msa.sparse_layers(mix.num_hidden_layers) == list(range(3, 60))
+    assert msa.layer_shape(mix) == MSAModelConfig.from_minimax_m3(attention).layer_shape(attention)
+    assert mix.hidden_size == attention.hidden_size
+
+
 def engine_args(model_dir, args):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
