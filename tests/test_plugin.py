@@ -149,6 +149,51 @@ def test_metrics_count_no_padding_tokens(monkeypatch):
     assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2
 
 
+@pytest.mark.parametrize("speculative_tokens, threshold, decode_lens", [(None, 1, []), (3, 4, [4, 1, 3])])
+def test_builder_counts_speculative_verification_requests_as_decodes(
+    demo_model, speculative_tokens, threshold, decode_lens
+):
+    """FLASH_MSA's metadata builder under vLLM's config: with n-gram speculation of 3 tokens, requests with up
+    to 4 new tokens (verification, or fewer drafts) form the decode part; without it, one new token."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    import vllm_msa
+    from msa_kernels.shapes import MSAShape
+    from vllm_msa.backend import FlashMSAMetadataBuilder
+    from vllm_msa.layer import kv_cache_spec
+
+    vllm_msa.register()
+    speculative_config = speculative_tokens and {"method": "ngram", "num_speculative_tokens": speculative_tokens}
+    vllm_config = EngineArgs(
+        model=str(demo_model), attention_backend="FLASH_MSA", dtype="float32", speculative_config=speculative_config
+    ).create_engine_config()
+    spec = kv_cache_spec(MSAShape(8, 2, 32, 4, 1, 32, 4), torch.float32)
+    builder = FlashMSAMetadataBuilder(spec, ["model.layers.1.self_attn.attn"], vllm_config, torch.device("cpu"))
+    # decodes first as vLLM orders them: 1 + 3 drafts, no draft, 1 + 2 drafts; then two prompt chunks
+    q_lens, seq_lens = [4, 1, 3, 45, 17], [37, 80, 300, 45, 60]
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    metadata = builder.build(
+        0,
+        CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=len(q_lens),
+            num_actual_tokens=sum(q_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=torch.zeros(len(q_lens), 3, dtype=torch.int32),
+            slot_mapping=torch.arange(sum(q_lens)),
+        ),
+    )
+    decode, prefill = metadata.batch.split()
+    assert builder.reorder_batch_threshold == threshold
+    assert (decode.query_lens_cpu if decode else []) == decode_lens
+    assert prefill.query_lens_cpu == q_lens[len(decode_lens) :]
+
+
 def test_tensor_parallel_ranks_hold_the_heads_their_query_heads_need():
     hf = _HF(msa_config=MSA)  # Hq 8, Hkv 2, Hi 4, Hki 1
     msa = MSAModelConfig.from_hf_config(hf)
