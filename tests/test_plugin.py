@@ -133,20 +133,25 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
 def test_metrics_count_no_padding_tokens(monkeypatch):
     import torch
 
-    from vllm_msa.metrics import DIR_ENV, StepStats
+    from vllm_msa.metrics import COUNTERS, DIR_ENV, StepStats
 
     monkeypatch.delenv(DIR_ENV, raising=False)  # no metrics file: this process's /metrics stays as it is
 
-    selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]]], dtype=torch.int32)
-    positions = torch.tensor([300, 200])
-    plain, padded = StepStats(torch.device("cpu"), "m"), StepStats(torch.device("cpu"), "m")
-    plain.record(selected, positions, 128)
+    selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]], [[0, 1, 3]]], dtype=torch.int32)
+    positions = torch.tensor([300, 200, 400])
+    plain, padded, mixed = (StepStats(torch.device("cpu"), "m") for _ in range(3))
+    plain.record(selected, positions, 128, decode_tokens=3)
+    # the same decode step replayed from a full CUDA graph: padding tokens follow the real ones
     padded.record(
         torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
         torch.cat([positions, torch.full((3,), -1)]),
         128,
+        decode_tokens=6,
     )
-    assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2
+    assert torch.equal(plain.totals, padded.totals)
+    mixed.record(selected, positions, 128, decode_tokens=2)  # the last token in the step's prefill part
+    counted = [dict(zip(COUNTERS, stats.totals.tolist())) for stats in (plain, mixed)]
+    assert [(c["selections"], c["decode_selections"]) for c in counted] == [(3, 3), (3, 2)]
 
 
 @pytest.mark.parametrize("speculative_tokens, threshold, decode_lens", [(None, 1, []), (3, 4, [4, 1, 3])])
