@@ -2,7 +2,8 @@
 
 Data flow of one MSA layer (msa_attention), once the paged caches hold the step's keys:
 
-    batch --PagedBatch.split--> decode part: requests with one new token (first, as vLLM orders them)
+    batch --PagedBatch.split--> decode part: requests with one new token, or a speculative verification's
+                                             1 + drafted tokens (first, as vLLM orders them)
                                 prefill part: prefill and chunked-prefill requests
     per part:  index queries x paged index keys --index_block_scores--> block scores [T, Hi, blocks]
                --top-k--> selected blocks [T, Hi, K]  (the part's rows of the step's one selection)
@@ -21,9 +22,10 @@ else the PyTorch reference (kernels/reference.py):
 
 A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
 step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
-layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here the same way.
-A batch of one phase runs as it is. A decode part never
-syncs the host and has no data-dependent shapes: a full-graph decode step can be captured.
+layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here, at the
+first request with more than one new token, unless the caller split them. A batch of one phase runs as it
+is. A decode part never syncs the host and has no data-dependent shapes: a full-graph decode step
+(single-token or a uniform verification batch) can be captured.
 """
 
 import functools

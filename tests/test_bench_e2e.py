@@ -9,6 +9,7 @@ server, summary, charts) against a stand-in `vllm` that answers /health and writ
 import json
 import math
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -130,6 +131,46 @@ def test_only_keeps_the_named_configurations_and_refuses_unknown_names(demo_mode
     opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--only", "dense", "FLASH"])
     with pytest.raises(SystemExit, match="--only names FLASH; the configurations are FLASH_MSA, dense"):
         bench_e2e.server_configs(opts)
+
+
+def test_speculative_config_adds_a_speculating_twin_of_each_configuration_with_its_acceptance(demo_model):
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3}'
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--speculative-config", speculative])
+    configs = bench_e2e.server_configs(opts)
+    assert list(configs) == ["FLASH_MSA", "FLASH_MSA+ngram", "dense", "dense+ngram"]
+    assert configs["FLASH_MSA+ngram"] == [*configs["FLASH_MSA"], "--speculative-config", speculative]
+    assert engine_args(demo_model, configs["dense+ngram"]).speculative_config == json.loads(speculative)
+    plain = {"mean_ttft_ms": 50.0, "mean_tpot_ms": 20.0, "median_itl_ms": 20.0, "output_throughput": 50.0}
+    speculating = plain | {
+        "mean_tpot_ms": 10.0,
+        "spec_decode_acceptance_rate": 40.0,
+        "spec_decode_acceptance_length": 2.2,
+    }
+    servers = [
+        bench_e2e.Server(name, [], 0, Path("log"), results={(64, 4): result})
+        for name, result in (("FLASH_MSA", plain), ("FLASH_MSA+ngram", speculating))
+    ]
+    summary = bench_e2e.table(servers, [(64, 4)])
+    assert summary.splitlines()[0].endswith("| ITL p50 FLASH_MSA / this | accept % | accept len |")
+    assert "| 64 | 4 | FLASH_MSA | 50.0 | 20.0 | 20.0 | 50.0 | 1.00 | 1.00 | 1.00 | - | - |" in summary
+    assert "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |" in summary
+
+
+def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "1024", "--out", str(tmp_path)])
+    opts.prompts = "repeated"  # parse_args wants pandas for it, which vllm bench needs and CI has not
+    path = tmp_path / "prompts-1024.jsonl"
+    bench_e2e.write_repeated_prompts(demo_model, 1024, 6, path)
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    assert len(prompts) == 6 and all(abs(len(tokenizer(p).input_ids) - 1024) <= 1 for p in prompts)
+    for prompt in prompts:  # texts that repeat their first piece (of 4 to 300 tokens) at least 3 times
+        period = next(n for n in range(1, len(prompt)) if prompt[n:] == prompt[:-n])
+        assert period <= len(prompt) / 3
+    command = bench_e2e.bench_command(bench_e2e.Server("A", [], 0, Path("log")), 1024, 4, "r.json", opts)
+    assert command[command.index("--dataset-name") + 1 :][:3] == ["custom", "--dataset-path", str(path)]
 
 
 STAND_IN_VLLM = """
