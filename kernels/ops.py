@@ -2,7 +2,8 @@
 
 Data flow of one MSA layer (msa_attention), once the paged caches hold the step's keys:
 
-    batch --PagedBatch.split--> decode part: requests with one new token (first, as vLLM orders them)
+    batch --PagedBatch.split--> decode part: requests with one new token, or a speculative verification's
+                                             1 + drafted tokens (first, as vLLM orders them)
                                 prefill part: prefill and chunked-prefill requests
     per part:  index queries x paged index keys --index_block_scores--> block scores [T, Hi, blocks]
                --top-k--> selected blocks [T, Hi, K]  (the part's rows of the step's one selection)
@@ -21,9 +22,10 @@ else the PyTorch reference (kernels/reference.py):
 
 A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
 step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
-layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here the same way.
-A batch of one phase runs as it is. A decode part never
-syncs the host and has no data-dependent shapes: a full-graph decode step can be captured.
+layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here, at the
+first request with more than one new token, unless the caller split them. A batch of one phase runs as it
+is. A decode part never syncs the host and has no data-dependent shapes: a full-graph decode step
+(single-token or a uniform verification batch) can be captured.
 
 An FP8 index-key cache (msa_kernels.fp8_index_keys) has no CuTeDSL kernel yet: its index scores run the
 reference on every device (on a Hopper GPU with a one-time warning), never a kernel that reads bf16.
@@ -33,6 +35,7 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -66,22 +69,49 @@ def _cute_available(device_index: int) -> bool:
     return True
 
 
-def _on_hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and _cute_available(t.device.index or 0)
+def _on_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and _cute_available(device.index or 0)
 
 
-def _index_scores_step(index_q: torch.Tensor, index_key_dtype: torch.dtype, shape: MSAShape, phase: Phase) -> Callable:
-    if _on_hopper(index_q):
-        from msa_kernels.cute import index_scores, index_scores_prefill
+class Steps(NamedTuple):
+    """The implementations of one phase's part: index scores, top-k, sparse attention (on a contiguous K/V
+    cache; a strided one runs the reference)."""
 
-        served = (index_q.dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
-        if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
-            return index_scores_prefill.prefill_index_block_scores
-        if index_scores.IndexScoreKernel.can_implement(*served):
-            return index_scores.index_block_scores
-        if index_key_dtype == Fp8IndexKeyCache.dtype:
-            _warn_fp8_index_keys_run_the_reference()
-    return reference.index_block_scores
+    index_scores: Callable
+    topk: Callable
+    attention: Callable
+
+
+@functools.cache
+def _steps(
+    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, shape: MSAShape, phase: Phase
+) -> Steps:
+    """What runs each step of a part of this phase, for inputs of this device and dtype and an index-key cache
+    of index_key_dtype (Fp8IndexKeyCache.dtype: an FP8 cache): chosen once per (device, dtypes, shape, phase),
+    since an eager layer call must cost microseconds of host time."""
+    steps = Steps(reference.index_block_scores, reference.topk_blocks, reference.sparse_attention)
+    if not _on_hopper(device):
+        return steps
+    from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
+
+    served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
+    if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
+    elif index_scores.IndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores.index_block_scores)
+    elif index_key_dtype == Fp8IndexKeyCache.dtype:
+        _warn_fp8_index_keys_run_the_reference()
+    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
+    if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
+        steps = steps._replace(topk=topk_blocks.topk_blocks)
+    heads = (shape.num_q_heads, shape.num_index_heads)
+    if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
+        dtype, *heads, shape.head_dim, shape.block_size
+    ):
+        steps = steps._replace(attention=sparse_attn_prefill.prefill_sparse_attention)
+    elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
+        steps = steps._replace(attention=sparse_attn.sparse_attention)
+    return steps
 
 
 @functools.cache
@@ -92,38 +122,21 @@ def _warn_fp8_index_keys_run_the_reference() -> None:
     )
 
 
-def _topk_step(scores: torch.Tensor) -> Callable:
-    if _on_hopper(scores):
-        from msa_kernels.cute import topk_blocks
-
-        if topk_blocks.TopkBlocksKernel.can_implement(scores.dtype):
-            return topk_blocks.topk_blocks
-    return reference.topk_blocks
-
-
-def _attention_step(q: torch.Tensor, shape: MSAShape, phase: Phase) -> Callable:
-    if _on_hopper(q):
-        from msa_kernels.cute import sparse_attn, sparse_attn_prefill
-
-        heads = (shape.num_q_heads, shape.num_index_heads)
-        if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
-            q.dtype, *heads, shape.head_dim, shape.block_size
-        ):
-            return sparse_attn_prefill.prefill_sparse_attention
-        if sparse_attn.SparseAttentionKernel.can_implement(q.dtype, shape.head_dim, shape.block_size):
-            return sparse_attn.sparse_attention
-    return reference.sparse_attention
-
-
-def _parts(batch: PagedBatch) -> list[tuple[slice, PagedBatch]]:
-    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns."""
-    parts = batch.split() if batch.phase == "mixed" else (batch,)
+def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
+    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns
+    (None: all of them, so a one-phase batch's tensors are passed without slicing)."""
+    if batch.phase != "mixed":
+        return [(None, batch)] if batch.num_tokens else []
     rows, first = [], 0
-    for part in parts:
-        if part is not None and part.num_tokens:
+    for part in batch.split():
+        if part is not None:
             rows.append((slice(first, first + part.num_tokens), part))
             first += part.num_tokens
     return rows
+
+
+def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
 
 
 def uses_cute_index_scores(
@@ -131,18 +144,22 @@ def uses_cute_index_scores(
 ) -> bool:
     """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries and an
     index-key cache of index_key_dtype (None: the queries' dtype; Fp8IndexKeyCache.dtype: an FP8 cache)."""
-    step = _index_scores_step(index_q, index_key_dtype or index_q.dtype, shape, phase)
-    return step is not reference.index_block_scores
+    steps = _steps(index_q.device, index_q.dtype, index_key_dtype or index_q.dtype, shape, phase)
+    return steps.index_scores is not reference.index_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
     """Whether the CuTeDSL kernel selects the top-k blocks from such scores."""
-    return _topk_step(scores) is not reference.topk_blocks
+    if not _on_hopper(scores.device):
+        return False
+    from msa_kernels.cute import topk_blocks
+
+    return topk_blocks.TopkBlocksKernel.can_implement(scores.dtype)
 
 
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
-    return _attention_step(q, shape, phase) is not reference.sparse_attention
+    return _steps(q.device, q.dtype, q.dtype, shape, phase).attention is not reference.sparse_attention
 
 
 def describe(
@@ -150,11 +167,10 @@ def describe(
 ) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
     decode part does); index_key_dtype as for uses_cute_index_scores."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # index scores' dtype
-    index = "CuTeDSL" if uses_cute_index_scores(probe, shape, index_key_dtype=index_key_dtype) else "PyTorch"
-    topk = "CuTeDSL" if uses_cute_topk(torch.empty(0, device=device, dtype=score_dtype)) else "PyTorch"
-    attention = "CuTeDSL" if uses_cute_sparse_attention(probe, shape) else "PyTorch"
+    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
+    index = "PyTorch" if steps.index_scores is reference.index_block_scores else "CuTeDSL"
+    topk = "PyTorch" if steps.topk is reference.topk_blocks else "CuTeDSL"
+    attention = "PyTorch" if steps.attention is reference.sparse_attention else "CuTeDSL"
     return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
 
 
@@ -168,9 +184,9 @@ def graph_capturable(
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
     loop over requests on the host. index_key_dtype as for uses_cute_index_scores."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    served = uses_cute_sparse_attention(probe, shape)
-    return served and (not index_scores or uses_cute_index_scores(probe, shape, index_key_dtype=index_key_dtype))
+    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
+    served = steps.attention is not reference.sparse_attention
+    return served and (not index_scores or steps.index_scores is not reference.index_block_scores)
 
 
 def index_block_scores(
@@ -178,8 +194,8 @@ def index_block_scores(
 ) -> torch.Tensor:
     """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
     scores = [
-        _index_scores_step(index_q, index_key_cache.dtype, shape, part.phase)(
-            index_q[rows], index_key_cache, part, shape
+        _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase).index_scores(
+            _rows(index_q, rows), index_key_cache, part, shape
         )
         for rows, part in _parts(batch)
     ]
@@ -205,9 +221,9 @@ def select_blocks(
         )
     )
     for rows, part in _parts(batch):
-        index_scores = _index_scores_step(index_q, index_key_cache.dtype, shape, part.phase)
-        scores = index_scores(index_q[rows], index_key_cache, part, shape)
-        _topk_step(scores)(scores, part.positions, shape, out=selected[rows])
+        steps = _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase)
+        scores = steps.index_scores(_rows(index_q, rows), index_key_cache, part, shape)
+        steps.topk(scores, part.positions, shape, out=_rows(selected, rows))
     return selected
 
 
@@ -222,9 +238,14 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given)."""
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
+    contiguous = kv_cache.is_contiguous()
     for rows, part in _parts(batch):
-        attend = _attention_step(q, shape, part.phase) if kv_cache.is_contiguous() else reference.sparse_attention
-        attend(q[rows], kv_cache, part, selected[rows], shape, scale, out=result[rows])
+        attend = (
+            _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
+            if contiguous
+            else reference.sparse_attention
+        )
+        attend(_rows(q, rows), kv_cache, part, _rows(selected, rows), shape, scale, out=_rows(result, rows))
     return result
 
 

@@ -5,6 +5,8 @@ callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
 
 A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split,
 decodes first as vLLM's scheduler orders them); msa_kernels.ops picks each part's kernels by its phase.
+A decode request brings one new token, or under speculative decoding 1 + the drafted tokens it verifies:
+the decode kernels run every token on its own, causal by its position, so any such request is a decode.
 """
 
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ from typing import Literal
 import torch
 
 Phase = Literal["decode", "prefill", "mixed"]
-DECODE_QUERY_LEN = 1  # requests with at most this many new tokens are decodes (vLLM's reorder_batch_threshold)
+SINGLE_TOKEN_DECODE_QUERY_LEN = 1  # a decode request's new tokens without speculative decoding
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,22 @@ class PagedBatch:
     A full CUDA graph replays on a padded batch: requests with seq_len 0 and no tokens, and tokens
     past query_start_loc[-1] at position -1, which see no key (every step selects nothing for them).
 
-    phase: "decode" (every request brings at most DECODE_QUERY_LEN tokens), "prefill" (prefill and
-    chunked-prefill requests, any number of tokens) or "mixed" (not split yet: see split).
+    phase: "decode" (every request brings at most the split's max_decode_query_len tokens: one, or a
+    speculative verification), "prefill" (prefill and chunked-prefill requests, any number of tokens) or
+    "mixed" (not split yet: see split).
     """
 
-    query_start_loc: torch.Tensor  # [R + 1] int
-    seq_lens: torch.Tensor  # [R] int
-    block_table: torch.Tensor  # [R, max_blocks] int
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, max_blocks] int32
     phase: Phase = "mixed"
+
+    def __post_init__(self) -> None:
+        """int32 index tensors, as the kernels take them. vLLM's builder buffers already are, so they pass
+        as they are (a full CUDA graph replays on those very buffers); other callers' are converted here."""
+        for name in ("query_start_loc", "seq_lens", "block_table"):
+            if getattr(self, name).dtype != torch.int32:
+                setattr(self, name, getattr(self, name).to(torch.int32))
 
     @cached_property
     def query_start_loc_cpu(self) -> list[int]:
@@ -101,16 +111,19 @@ class PagedBatch:
         starts = self.query_start_loc_cpu
         return [end - start for start, end in zip(starts, starts[1:])]
 
-    def split(self, num_decode_requests: int | None = None) -> tuple["PagedBatch | None", "PagedBatch | None"]:
+    def split(
+        self, num_decode_requests: int | None = None, max_decode_query_len: int = SINGLE_TOKEN_DECODE_QUERY_LEN
+    ) -> tuple["PagedBatch | None", "PagedBatch | None"]:
         """(decode part, prefill part) of a mixed batch whose decode requests come first, as vLLM orders
         them (reorder_batch_threshold, split_decodes_and_prefills); None for a part without query tokens.
 
         num_decode_requests: vLLM's builder gives its count; without it, the batch's split so far, else
-        the requests before the first one with more than DECODE_QUERY_LEN new tokens. The parts' tensors
-        are slices of this batch's, except the prefill part's query_start_loc, rebased to its first token
-        by one device subtraction; the host copy of query_start_loc gives the boundaries, so splitting
-        never syncs the device. Kept on the batch: the layers of a step share the parts and what they
-        compute (token positions, tiles).
+        the requests before the first one with more than max_decode_query_len new tokens (1, or 1 +
+        num_speculative_tokens where vLLM verifies drafted tokens). The parts' tensors are slices of this
+        batch's, except the prefill part's query_start_loc, rebased to its first token by one device
+        subtraction; the host copy of query_start_loc gives the boundaries, so splitting never syncs the
+        device. Kept on the batch: the layers of a step share the parts and what they compute (token
+        positions, tiles).
         """
         if self.phase != "mixed":
             raise ValueError(f"split takes a mixed batch, got a {self.phase} one")
@@ -119,7 +132,7 @@ class PagedBatch:
             return made[1]
         if num_decode_requests is None:
             lens = self.query_lens_cpu
-            num_decode_requests = next((r for r, n in enumerate(lens) if n > DECODE_QUERY_LEN), len(lens))
+            num_decode_requests = next((r for r, n in enumerate(lens) if n > max_decode_query_len), len(lens))
         parts = (
             self._part(0, num_decode_requests, "decode"),
             self._part(num_decode_requests, self.num_requests, "prefill"),

@@ -3,9 +3,12 @@
 Owns the serving comparison of issue 4. Each server configuration is the real `vllm serve MODEL_DIR
 <config args> <extra args>` on 127.0.0.1, sized for the load (--max-num-seqs = the largest --concurrency: few
 CUDA graphs to capture) and without prefix caching (the warm-up requests repeat the first prompt).
-Once /health answers, `vllm bench serve` (random dataset, fixed input and output lengths,
---ignore-eos, bounded concurrency, --warmups requests first so kernel compilation and autotuning
-stay out of the numbers) runs once per input length and --concurrency value, then the server stops.
+Once /health answers, `vllm bench serve` (fixed input and output lengths, --ignore-eos, bounded
+concurrency, --warmups requests first so kernel compilation and autotuning stay out of the numbers) runs
+once per input length and --concurrency value, then the server stops. Its prompts (--prompts): `random`,
+vLLM's random dataset (random token ids); `repeated`, texts that repeat a random piece of 4 to 300 tokens
+up to the input length (written to --out as prompts-LEN.jsonl, vLLM's custom dataset, as they are;
+vLLM reads them with pandas, which the H200 image has and the CPU .venv has not).
 
 By default the servers run one after another, each with --gpu-memory-utilization. With
 --parallel-start all of them start at once on ports --port, --port+1, ..., each with an equal share
@@ -15,9 +18,18 @@ goes; a server that fails to start, dies, or whose benchmark fails is reported w
 and the other servers are still measured.
 
 --out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length, concurrency
-and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's), one SVG
-bar chart per input length and concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON, and the
-server and bench logs.
+and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's; with
+speculative decoding also its acceptance rate and length), one SVG bar chart per input length and
+concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON, and the server and bench logs.
+
+--speculative-config JSON serves every configuration twice: as it is, and with `--speculative-config
+JSON` (named NAME+METHOD, e.g. FLASH_MSA+ngram), so summary.md has TPOT with and without speculation
+beside the acceptance rate (accepted / drafted tokens, %) and length (tokens per verification step) that
+`vllm bench serve` reads from the server's /metrics. A random-weight checkpoint gets n-gram drafts
+accepted only where its own outputs fall into loops, which greedy outputs (--temperature 0) soon do
+after --prompts repeated, hardly after random prompts or when sampling at the server's default
+temperature 1: the numbers measure what verification costs and saves at that acceptance, not what a
+trained model would accept.
 
 Default configurations, by the checkpoint's architecture (--config NAME='ARGS' replaces them):
 - FlashMSAForCausalLM: `FLASH_MSA`; `dense`: the same weights with every layer dense
@@ -36,7 +48,8 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
   (--dense-backend replaces FLASH_ATTN.)
 
     python serve/bench_e2e.py MODEL_DIR --input-lens 8192 32768 131072 [--output-len 128]
-        [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--config NAME='vllm serve args' ...] [--only NAME ...]
+        [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--prompts {random,repeated}] [--temperature T]
+        [--config NAME='vllm serve args' ...] [--only NAME ...] [--speculative-config JSON]
         [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
         [--port 8123] [--out DIR] [-- extra args for every server]
 
@@ -48,14 +61,24 @@ Issue 4 on one H200 (the three M3 configurations, started together):
 
 (--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
 which the other servers starting at the same time change.)
+
+Speculative decoding on one H200 (FLASH_MSA with and without n-gram speculation, M3's attention shapes):
+
+    python3 serve/build_demo_model.py /tmp/msa-m3 --preset m3-attention
+    NGRAM='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+    python3 serve/bench_e2e.py /tmp/msa-m3 --only FLASH_MSA --input-lens 8192 32768 --output-len 256 \\
+        --num-prompts 16 --concurrency 1 8 --prompts repeated --temperature 0 --speculative-config "$NGRAM" \\
+        --out $OUT/e2e-spec
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -76,10 +99,13 @@ METRICS = (
     ("output_throughput", "out tok/s"),
 )
 RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"), ("median_itl_ms", "ITL p50"))
+# What `vllm bench serve` records from the server's spec-decode counters (only where it speculates).
+SPECULATION = (("spec_decode_acceptance_rate", "accept %"), ("spec_decode_acceptance_length", "accept len"))
 M3_ARCHITECTURES = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
 LOG_TAIL_LINES = 40
 PROMPT_SLACK = 64  # tokens of --max-model-len beyond input + output: vllm bench's random prompts may re-tokenize longer
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")  # bar colors, one per configuration
+REPEATED_PERIODS = (4, 10, 25, 40, 100, 300)  # tokens of the piece each --prompts repeated prompt repeats, in turn
 
 
 @dataclass
@@ -218,6 +244,47 @@ def stop_server(server: Server) -> None:
 # ------------------------------------------------------------------------------------------ benchmark
 
 
+def write_repeated_prompts(model_dir: Path, input_len: int, count: int, path: Path) -> None:
+    """count prompts of input_len tokens (the model's tokenizer, within a token), each a random piece of
+    REPEATED_PERIODS tokens (in turn) repeated, as vLLM's custom dataset reads them (JSON lines)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(input_len)
+    with open(path, "w") as f:
+        for i in range(count):
+            period = REPEATED_PERIODS[i % len(REPEATED_PERIODS)]
+            piece = tokenizer.decode([rng.choice(vocab) for _ in range(period)])
+            # Tokens of the repeated text itself, cut at input_len: decoding them gives text that tokenizes
+            # back to them (random ids, decoded, would tokenize to up to 40% more tokens).
+            ids = tokenizer(piece * (input_len // period + 1), add_special_tokens=False).input_ids[:input_len]
+            f.write(json.dumps({"prompt": tokenizer.decode(ids)}) + "\n")
+
+
+def prompt_args(input_len: int, opts) -> list[str]:
+    """vllm bench serve's dataset arguments for --prompts."""
+    if opts.prompts == "repeated":
+        return [
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            str(opts.out / f"prompts-{input_len}.jsonl"),
+            "--custom-output-len",
+            str(opts.output_len),
+            "--skip-chat-template",
+        ]
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(opts.output_len),
+    ]
+
+
 def bench_command(server: Server, input_len: int, concurrency: int, filename: str, opts) -> list[str]:
     return [
         *vllm_command(),
@@ -231,12 +298,7 @@ def bench_command(server: Server, input_len: int, concurrency: int, filename: st
         str(opts.model_dir),
         "--base-url",
         server.url,
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(input_len),
-        "--random-output-len",
-        str(opts.output_len),
+        *prompt_args(input_len, opts),
         "--ignore-eos",
         "--num-prompts",
         str(max(opts.num_prompts, concurrency)),
@@ -249,6 +311,7 @@ def bench_command(server: Server, input_len: int, concurrency: int, filename: st
         str(opts.out),
         "--result-filename",
         filename,
+        *([] if opts.temperature is None else ["--temperature", str(opts.temperature)]),
     ]
 
 
@@ -308,7 +371,10 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
 
 def table(servers: list[Server], loads: list[tuple[int, int]]) -> str:
     base = servers[0]
+    speculating = any(SPECULATION[0][0] in r for s in servers for r in s.results.values())
+    speculation = SPECULATION if speculating else ()
     header = [label for _, label in METRICS] + [f"{label} {base.name} / this" for _, label in RATIOS]
+    header += [label for _, label in speculation]
     lines = ["| input | concurrency | config | " + " | ".join(header) + " |", "|---|---|---|" + "---|" * len(header)]
     for load in loads:
         for server in servers:
@@ -319,6 +385,7 @@ def table(servers: list[Server], loads: list[tuple[int, int]]) -> str:
                 b = base.results.get(load)
                 cells = [f"{r[key]:.1f}" for key, _ in METRICS]
                 cells += [f"{b[key] / r[key]:.2f}" if b and r[key] else "-" for key, _ in RATIOS]
+                cells += [f"{r[key]:.2f}" if key in r else "-" for key, _ in speculation]
             lines.append(f"| {load[0]} | {load[1]} | {server.name} | " + " | ".join(cells) + " |")
     errors = [f"- {s.name}: {e}" for s in servers for e in s.errors]
     return "\n".join(lines + (["", "Failures:", *errors] if errors else []))
@@ -390,6 +457,12 @@ def parse_args(argv):
     )
     parser.add_argument("--warmups", type=int, default=1, help="unmeasured requests before each run (default 1)")
     parser.add_argument(
+        "--prompts",
+        choices=("random", "repeated"),
+        default="random",
+        help="random token ids (vLLM's random dataset), or texts repeating a random piece (default random)",
+    )
+    parser.add_argument(
         "--config",
         action="append",
         default=[],
@@ -402,6 +475,17 @@ def parse_args(argv):
         default=[],
         metavar="NAME",
         help="run only these of the configurations (e.g. --only dense: one more server's rows for an earlier run)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature of the requests (0: greedy); default: the server's (vLLM's 1.0 unless the "
+        "checkpoint's generation_config sets one)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="also serve each configuration with this vllm serve --speculative-config (named NAME+METHOD)",
     )
     parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense (and dense-layer) runs")
     parser.add_argument(
@@ -422,23 +506,40 @@ def parse_args(argv):
     opts = parser.parse_args(argv)
     if not (opts.model_dir / "config.json").is_file():
         parser.error(f"{opts.model_dir} holds no config.json")
+    if opts.prompts == "repeated" and importlib.util.find_spec("pandas") is None:
+        parser.error(
+            "--prompts repeated: vllm bench serve reads them (its custom dataset) with pandas: pip install pandas"
+        )
     opts.loads = [(n, c) for n in opts.input_lens for c in opts.concurrency]  # benchmarked in this order
     return opts, common
 
 
 def server_configs(opts: argparse.Namespace) -> dict[str, list[str]]:
-    """The configurations to serve: --config's, else the checkpoint's defaults; only --only's names if given."""
+    """The configurations to serve: --config's, else the checkpoint's defaults; only --only's names if given;
+    with --speculative-config each followed by itself with it."""
     configs = {k: shlex.split(v) for k, v in (c.split("=", 1) for c in opts.config)}
     configs = configs or default_configs(opts.model_dir, opts.dense_backend)
     if unknown := [name for name in opts.only if name not in configs]:
         sys.exit(f"bench_e2e: --only names {', '.join(unknown)}; the configurations are {', '.join(configs)}")
-    return {name: args for name, args in configs.items() if name in opts.only or not opts.only}
+    chosen = {name: args for name, args in configs.items() if name in opts.only or not opts.only}
+    if opts.speculative_config is None:
+        return chosen
+    method = json.loads(opts.speculative_config).get("method", "spec")
+    with_twins = {}
+    for name, args in chosen.items():
+        with_twins[name] = args
+        with_twins[f"{name}+{method}"] = [*args, "--speculative-config", opts.speculative_config]
+    return with_twins
 
 
 def main(argv=None):
     opts, common = parse_args(sys.argv[1:] if argv is None else argv)
     configs = server_configs(opts)
     opts.out.mkdir(parents=True, exist_ok=True)
+    if opts.prompts == "repeated":
+        for input_len in opts.input_lens:
+            count = max(opts.num_prompts, *opts.concurrency)
+            write_repeated_prompts(opts.model_dir, input_len, count, opts.out / f"prompts-{input_len}.jsonl")
     servers = [
         Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")
         for i, (name, args) in enumerate(configs.items())

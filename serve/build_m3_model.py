@@ -147,6 +147,18 @@ PRESETS = {
         },
     },
 }
+# MiniMax-M3's layer mix (3 dense layers, then 57 MSA ones) with m3-attention's shapes: attention's share of
+# a step as in M3, for end-to-end benchmarks (about 1.3B parameters: 2.6 GB in bf16; build it on the GPU machine).
+PRESETS["m3-layer-mix"] = {
+    **PRESETS["m3-attention"],
+    "num_hidden_layers": len(M3_LAYERS),
+    "moe_layer_freq": M3_LAYERS,
+    "sparse_attention_config": {
+        **PRESETS["m3-attention"]["sparse_attention_config"],
+        "sparse_disable_index_value": M3_LAYERS,
+        "sparse_attention_freq": M3_LAYERS,
+    },
+}
 
 
 def make_config(**text_overrides) -> dict:
@@ -265,7 +277,10 @@ if __name__ == "__main__":
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes)",
+        help=(
+            "model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes, 1 dense + 3 "
+            "MSA layers; m3-layer-mix: the same shapes in M3's 60 layers, 3 of them dense)"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     parser.add_argument(

@@ -9,6 +9,7 @@ server, summary, charts) against a stand-in `vllm` that answers /health and writ
 import json
 import math
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,23 @@ def test_m3_attention_preset_has_m3s_attention_shapes_and_tiny_weights(m3_attent
     with safe_open(m3_attention_model / "model.safetensors", "pt") as f:
         params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118  (safe_open: keys(), no iteration)
     assert params < 100e6, params
+
+
+def test_m3_layer_mix_preset_has_m3s_layers_with_m3_attentions_shapes(m3_attention_model):
+    from serve.build_m3_model import PRESETS, make_config
+    from vllm_msa.config import MSAModelConfig
+
+    text_config_class = type(parsed_config(m3_attention_model).get_text_config())  # as this vLLM reads M3
+
+    def text(preset):
+        return text_config_class(**make_config(**PRESETS[preset])["text_config"])
+
+    mix, production, attention = text("m3-layer-mix"), text("production"), text("m3-attention")
+    msa = MSAModelConfig.from_minimax_m3(mix)
+    assert msa.dense_layers == MSAModelConfig.from_minimax_m3(production).dense_layers == (0, 1, 2)
+    assert msa.sparse_layers(mix.num_hidden_layers) == list(range(3, 60))
+    assert msa.layer_shape(mix) == MSAModelConfig.from_minimax_m3(attention).layer_shape(attention)
+    assert mix.hidden_size == attention.hidden_size
 
 
 def engine_args(model_dir, args):
@@ -113,6 +131,46 @@ def test_only_keeps_the_named_configurations_and_refuses_unknown_names(demo_mode
     opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--only", "dense", "FLASH"])
     with pytest.raises(SystemExit, match="--only names FLASH; the configurations are FLASH_MSA, dense"):
         bench_e2e.server_configs(opts)
+
+
+def test_speculative_config_adds_a_speculating_twin_of_each_configuration_with_its_acceptance(demo_model):
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3}'
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "64", "--speculative-config", speculative])
+    configs = bench_e2e.server_configs(opts)
+    assert list(configs) == ["FLASH_MSA", "FLASH_MSA+ngram", "dense", "dense+ngram"]
+    assert configs["FLASH_MSA+ngram"] == [*configs["FLASH_MSA"], "--speculative-config", speculative]
+    assert engine_args(demo_model, configs["dense+ngram"]).speculative_config == json.loads(speculative)
+    plain = {"mean_ttft_ms": 50.0, "mean_tpot_ms": 20.0, "median_itl_ms": 20.0, "output_throughput": 50.0}
+    speculating = plain | {
+        "mean_tpot_ms": 10.0,
+        "spec_decode_acceptance_rate": 40.0,
+        "spec_decode_acceptance_length": 2.2,
+    }
+    servers = [
+        bench_e2e.Server(name, [], 0, Path("log"), results={(64, 4): result})
+        for name, result in (("FLASH_MSA", plain), ("FLASH_MSA+ngram", speculating))
+    ]
+    summary = bench_e2e.table(servers, [(64, 4)])
+    assert summary.splitlines()[0].endswith("| ITL p50 FLASH_MSA / this | accept % | accept len |")
+    assert "| 64 | 4 | FLASH_MSA | 50.0 | 20.0 | 20.0 | 50.0 | 1.00 | 1.00 | 1.00 | - | - |" in summary
+    assert "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |" in summary
+
+
+def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    opts, _ = bench_e2e.parse_args([str(demo_model), "--input-lens", "1024", "--out", str(tmp_path)])
+    opts.prompts = "repeated"  # parse_args wants pandas for it, which vllm bench needs and CI has not
+    path = tmp_path / "prompts-1024.jsonl"
+    bench_e2e.write_repeated_prompts(demo_model, 1024, 6, path)
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    assert len(prompts) == 6 and all(abs(len(tokenizer(p).input_ids) - 1024) <= 1 for p in prompts)
+    for prompt in prompts:  # texts that repeat their first piece (of 4 to 300 tokens) at least 3 times
+        period = next(n for n in range(1, len(prompt)) if prompt[n:] == prompt[:-n])
+        assert period <= len(prompt) / 3
+    command = bench_e2e.bench_command(bench_e2e.Server("A", [], 0, Path("log")), 1024, 4, "r.json", opts)
+    assert command[command.index("--dataset-name") + 1 :][:3] == ["custom", "--dataset-path", str(path)]
 
 
 STAND_IN_VLLM = """

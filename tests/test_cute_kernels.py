@@ -175,7 +175,7 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
         local_blocks=local,
         init_blocks=init,
     )
-    positions = torch.tensor(TOPK_POSITIONS, device="cuda")
+    positions = torch.tensor(TOPK_POSITIONS, dtype=torch.int32, device="cuda")  # as PagedBatch.positions
     max_blocks = 1100
     generator = torch.Generator(device="cuda").manual_seed(k * 100 + local * 10 + init + ties)
     size = (len(TOPK_POSITIONS), shape.num_index_heads, max_blocks)
@@ -281,47 +281,52 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
 
 @gpu
 @pytest.mark.gpu
-def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference():
+@pytest.mark.parametrize("query_len", [1, 4], ids=["decode", "verification"])
+def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference(query_len):
     """What vLLM's full decode graphs do: capture the layer on persistent batch buffers once, then
-    replay it after writing a smaller batch into them (padding requests: seq_len 0, no tokens)."""
+    replay it after writing a smaller batch into them (padding requests: seq_len 0, no tokens). Each
+    request brings query_len tokens: one, or under speculative decoding 1 + 3 drafted tokens, which
+    vLLM's builder counts as decodes too (uniform verification batches replay full graphs)."""
     from msa_kernels import ops
     from msa_kernels.shapes import PagedBatch
 
     shape = M3_SHAPE
     seq_lens = [20000, 130, 7, 4500, 131072 - 3]
-    case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
-    padded = 8
-    qsl = torch.arange(padded + 1, dtype=torch.int32, device="cuda")
-    lens = torch.full((padded,), seq_lens[0], dtype=torch.int32, device="cuda")  # capture: 8 copies of request 0
+    n, padded = len(seq_lens), 8
+    case = make_case(shape, [query_len] * n, seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
+    starts = list(range(0, (padded + 1) * query_len, query_len))  # capture: 8 copies of request 0
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    lens = torch.full((padded,), seq_lens[0], dtype=torch.int32, device="cuda")
     table = case.batch.block_table[:1].repeat(padded, 1).contiguous()
-    q = torch.randn(padded, *case.q.shape[1:], device="cuda", dtype=torch.bfloat16)
-    index_q = torch.randn(padded, *case.index_q.shape[1:], device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(padded * query_len, *case.q.shape[1:], device="cuda", dtype=torch.bfloat16)
+    index_q = torch.randn(padded * query_len, *case.index_q.shape[1:], device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
 
     def layer():
         batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)  # fresh: computed in the graph
-        batch.query_start_loc_cpu = list(range(padded + 1))  # the host's view, as vLLM's builder sets it
+        batch.query_start_loc_cpu = starts  # the host's view, as vLLM's builder sets it
+        batch.split(max_decode_query_len=query_len)  # every request a decode, as the builder splits it
         return ops.msa_attention(q, index_q, case.kv_cache, case.index_key_cache, batch, shape, case.scale, out=out)[1]
 
     layer()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         selected = layer()
-    n = len(seq_lens)
-    qsl[n + 1 :] = n
+    tokens = n * query_len
+    qsl[n + 1 :] = tokens
     lens.copy_(torch.tensor(seq_lens + [0] * (padded - n), dtype=torch.int32))
     table.zero_()
     table[:n] = case.batch.block_table
-    q[:n], index_q[:n] = case.q, case.index_q
+    q[:tokens], index_q[:tokens] = case.q, case.index_q
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     want_sel = case.reference_selection()
-    assert torch.equal(selected[:n], want_sel)
-    assert (selected[n:] == -1).all()
+    assert torch.equal(selected[:tokens], want_sel)
+    assert (selected[tokens:] == -1).all()
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)
-    got = out[:n].double()
+    got = out[:tokens].double()
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     rel = (got - want).norm() / want.norm()
     assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())
-    assert (out[n:] == 0).all()  # padding tokens read nothing and get zeros, never NaN
+    assert (out[tokens:] == 0).all()  # padding tokens read nothing and get zeros, never NaN

@@ -142,9 +142,13 @@ def test_fp8_scores_stay_within_the_e4m3_bound_of_bf16_scores_and_mostly_select_
 
 @pytest.fixture
 def on_hopper(monkeypatch):
-    """msa_kernels.ops as on a Hopper GPU with CuTeDSL (the kernels' modules import without a GPU)."""
-    monkeypatch.setattr(ops, "_on_hopper", lambda t: True)
+    """msa_kernels.ops as on a Hopper GPU with CuTeDSL (the kernels' modules import without a GPU); its choices
+    are cached per process, so the cache is emptied before and after."""
+    monkeypatch.setattr(ops, "_on_hopper", lambda device: True)
+    ops._steps.cache_clear()
     ops._warn_fp8_index_keys_run_the_reference.cache_clear()
+    yield
+    ops._steps.cache_clear()
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
@@ -160,7 +164,7 @@ def test_fp8_index_keys_run_the_reference_on_hopper_with_one_warning_naming_it(o
         assert not kernel.can_implement(torch.bfloat16, fp8, 128, 128)
     assert ops.uses_cute_index_scores(probe, shape, phase)  # bf16 index keys: a kernel
     with caplog.at_level(logging.WARNING, logger="vllm.msa.kernels"):
-        assert ops._index_scores_step(probe, fp8, shape, phase) is reference.index_block_scores
+        assert ops._steps(probe.device, probe.dtype, fp8, shape, phase).index_scores is reference.index_block_scores
         assert not ops.uses_cute_index_scores(probe, shape, phase, index_key_dtype=fp8)
         assert not ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8).startswith("index scores: PyTorch")

@@ -173,20 +173,70 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
 def test_metrics_count_no_padding_tokens(monkeypatch):
     import torch
 
-    from vllm_msa.metrics import DIR_ENV, StepStats
+    from vllm_msa.metrics import COUNTERS, DIR_ENV, StepStats
 
     monkeypatch.delenv(DIR_ENV, raising=False)  # no metrics file: this process's /metrics stays as it is
 
-    selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]]], dtype=torch.int32)
-    positions = torch.tensor([300, 200])
-    plain, padded = StepStats(torch.device("cpu"), "m"), StepStats(torch.device("cpu"), "m")
-    plain.record(selected, positions, 128)
+    selected = torch.tensor([[[0, 2, -1]], [[0, 1, -1]], [[0, 1, 3]]], dtype=torch.int32)
+    positions = torch.tensor([300, 200, 400])
+    plain, padded, mixed = (StepStats(torch.device("cpu"), "m") for _ in range(3))
+    plain.record(selected, positions, 128, decode_tokens=3)
+    # the same decode step replayed from a full CUDA graph: padding tokens follow the real ones
     padded.record(
         torch.cat([selected, torch.full((3, 1, 3), -1, dtype=torch.int32)]),
         torch.cat([positions, torch.full((3,), -1)]),
         128,
+        decode_tokens=6,
     )
-    assert torch.equal(plain.totals, padded.totals) and plain.totals[0] == 2
+    assert torch.equal(plain.totals, padded.totals)
+    mixed.record(selected, positions, 128, decode_tokens=2)  # the last token in the step's prefill part
+    counted = [dict(zip(COUNTERS, stats.totals.tolist())) for stats in (plain, mixed)]
+    assert [(c["selections"], c["decode_selections"]) for c in counted] == [(3, 3), (3, 2)]
+
+
+@pytest.mark.parametrize("speculative_tokens, threshold, decode_lens", [(None, 1, []), (3, 4, [4, 1, 3])])
+def test_builder_counts_speculative_verification_requests_as_decodes(
+    demo_model, speculative_tokens, threshold, decode_lens
+):
+    """FLASH_MSA's metadata builder under vLLM's config: with n-gram speculation of 3 tokens, requests with up
+    to 4 new tokens (verification, or fewer drafts) form the decode part; without it, one new token."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    import vllm_msa
+    from msa_kernels.shapes import MSAShape
+    from vllm_msa.backend import FlashMSAMetadataBuilder
+    from vllm_msa.layer import kv_cache_spec
+
+    vllm_msa.register()
+    speculative_config = speculative_tokens and {"method": "ngram", "num_speculative_tokens": speculative_tokens}
+    vllm_config = EngineArgs(
+        model=str(demo_model), attention_backend="FLASH_MSA", dtype="float32", speculative_config=speculative_config
+    ).create_engine_config()
+    spec = kv_cache_spec(MSAShape(8, 2, 32, 4, 1, 32, 4), torch.float32)
+    builder = FlashMSAMetadataBuilder(spec, ["model.layers.1.self_attn.attn"], vllm_config, torch.device("cpu"))
+    # decodes first as vLLM orders them: 1 + 3 drafts, no draft, 1 + 2 drafts; then two prompt chunks
+    q_lens, seq_lens = [4, 1, 3, 45, 17], [37, 80, 300, 45, 60]
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    metadata = builder.build(
+        0,
+        CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=len(q_lens),
+            num_actual_tokens=sum(q_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=torch.zeros(len(q_lens), 3, dtype=torch.int32),
+            slot_mapping=torch.arange(sum(q_lens)),
+        ),
+    )
+    decode, prefill = metadata.batch.split()
+    assert builder.reorder_batch_threshold == threshold
+    assert (decode.query_lens_cpu if decode else []) == decode_lens
+    assert prefill.query_lens_cpu == q_lens[len(decode_lens) :]
 
 
 def test_tensor_parallel_ranks_hold_the_heads_their_query_heads_need():

@@ -256,6 +256,24 @@ def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
         prefill.split()
 
 
+def test_split_counts_speculative_verification_requests_as_decodes():
+    """Verifying 3 drafted tokens: requests bring up to 4 tokens (fewer where the drafter proposed fewer)."""
+    q_lens, seq_lens = [4, 1, 4, 3, 45, 17], [37, 80, 300, 129, 45, 60]
+
+    def batch():
+        return PagedBatch(
+            query_start_loc=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.arange(6 * 3, dtype=torch.int32).view(6, 3),
+        )
+
+    decode, prefill = batch().split(max_decode_query_len=4)
+    assert decode.query_start_loc_cpu == [0, 4, 5, 9, 12] and prefill.query_start_loc_cpu == [0, 45, 62]
+    assert decode.positions.tolist() == [33, 34, 35, 36, 79, 296, 297, 298, 299, 126, 127, 128]
+    none, everything = batch().split()  # single-token decodes: the first request already is no decode
+    assert none is None and everything.num_tokens == 74
+
+
 def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
     decodes = PagedBatch(
         query_start_loc=torch.tensor([0, 1, 2, 3]),

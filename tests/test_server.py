@@ -189,16 +189,19 @@ def test_client_that_disconnects_gets_its_request_aborted(server, client):
     assert client.completions.create(model=MODEL, prompt="after the aborts", max_tokens=4).usage.completion_tokens == 4
 
 
-def _expected_msa_metrics(num_positions: int) -> dict[str, float]:
-    """The sparse-layer metrics of positions 0..num_positions-1 of one request, from their definition."""
+def _expected_msa_metrics(num_positions: int, prompt_len: int) -> dict[str, float]:
+    """The sparse-layer metrics of positions 0..num_positions-1 of one request, from their definition (the
+    positions from prompt_len on are decode steps)."""
     bs, k = MSA["block_size"], MSA["topk_blocks"]
     per_selection = NUM_MSA_LAYERS * MSA["num_index_heads"]
-    expected = dict.fromkeys(["selections", "selected_blocks", "context_tokens", "read_tokens"], 0.0)
+    names = ["selections", "decode_selections", "selected_blocks", "context_tokens", "read_tokens"]
+    expected = dict.fromkeys(names, 0.0)
     buckets = dict.fromkeys(["0.01", "0.02", "0.05", "0.1", "0.2", "0.5", "1.0", "+Inf"], 0.0)
     for p in range(num_positions):
         blocks = min(k, p // bs + 1)  # every visible block holds keys, so top-k fills up
         read = blocks * bs - (bs - 1 - p % bs)  # the own block is read up to the query
         expected["selections"] += per_selection
+        expected["decode_selections"] += per_selection if p >= prompt_len else 0
         expected["selected_blocks"] += per_selection * blocks
         expected["context_tokens"] += per_selection * (p + 1)
         expected["read_tokens"] += per_selection * read
@@ -225,7 +228,7 @@ def test_sparse_layer_metrics_reach_the_api_server_metrics(server, client):
     assert r.usage.completion_tokens == max_tokens
     after = _metrics(server.url)
     delta = {series: after[series] - before.get(series, 0.0) for series in after if series.startswith("vllm:msa_")}
-    expected = _expected_msa_metrics(prompt_len + max_tokens - 1)  # the last token is never fed back
+    expected = _expected_msa_metrics(prompt_len + max_tokens - 1, prompt_len)  # the last token is never fed back
     assert {series: delta.get(series) for series in expected} == expected
     total = {series.split("{")[0]: v for series, v in delta.items()}
     fraction_read = total["vllm:msa_read_tokens_total"] / total["vllm:msa_context_tokens_total"]

@@ -1,10 +1,13 @@
-"""FLASH_MSA inside real vLLM engines (CPU, LLM class, greedy) on the demo checkpoint.
+"""FLASH_MSA inside real vLLM engines (CPU, LLM class, greedy) on the demo checkpoint; on a GPU, n-gram
+speculation under CUDA graphs (the last test).
 
 Each engine runs once per module (they take ~40 s to start here) and the tests compare their tokens:
   dense       every layer dense, vLLM's own CPU attention backend
   msa_full_k  FLASH_MSA with top-k covering every block: must equal dense
   msa         FLASH_MSA, demo top-k (4 of up to 24 blocks), prefix caching + chunked prefill (512)
   msa_plain   same model, prefix caching off, chunked prefill off
+  msa_ngram   as msa_plain, with n-gram speculative decoding (3 drafted tokens a step) on prompts of
+              repeated text: must give msa_plain's tokens, every verification step on the decode kernels
   msa_tight   as msa, with a KV cache of 36 pages for 10 concurrent 500-1400-token requests, so the
               scheduler must preempt; each request's tokens must equal running it alone (in msa)
   msa_tp2     as msa, tensor parallel 2 (Hkv 2, Hi 4: each rank 1 KV head, 2 index heads)
@@ -22,6 +25,7 @@ import random
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from tests.reference_model import ReferenceFlashMSA
 
@@ -29,6 +33,12 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 PROMPT_LENS = [3000, 1537, 700, 129, 5]  # several blocks, off the block grid, fewer blocks than k
+# vLLM's n-gram drafter: up to 3 tokens that followed an earlier occurrence of the last 1-3 tokens. The
+# random-weight model's greedy outputs fall into loops, which the drafter then proposes and the model accepts.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM_MAX_TOKENS = 48  # long enough for the outputs to loop
+MSA_SELECTIONS_PER_TOKEN = 3 * 4  # the demo's MSA layers x index heads
+PLAIN = dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=4096)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +49,16 @@ def prompts(demo_model):
     # Two prompts sharing a 1900-token prefix (15 full blocks) with different tails: prefix-cache hits.
     shared = fresh[0][:1900]
     return fresh + [shared + fresh[1][:300], shared + fresh[2][:77]]
+
+
+@pytest.fixture(scope="module")
+def repetitive_prompts(demo_model):
+    """Token sequences repeating a random piece of 4 to 300 tokens, 2300-2750 tokens each (past 16 blocks, so
+    sparse at the GPU preset's top-16 too)."""
+    rng = random.Random(5)
+    vocab = json.loads((demo_model / "config.json").read_text())["vocab_size"]
+    periods = [(4, 600), (10, 230), (40, 60), (100, 25), (300, 8), (25, 110)]
+    return [[rng.randrange(5, vocab) for _ in range(period)] * repeats for period, repeats in periods]
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +106,10 @@ def one_core_per_rank():
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
-def greedy(llm, prompts):
+def greedy(llm, prompts, max_tokens=MAX_TOKENS):
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -167,11 +187,19 @@ def msa_fp8_plain_tokens(demo_model, concurrent_prompts):
 
 
 @pytest.fixture(scope="module")
-def msa_plain_tokens(demo_model, prompts):
-    with engine(
-        demo_model, enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=4096
-    ) as llm:
-        return greedy(llm, prompts)
+def msa_plain_tokens(demo_model, prompts, repetitive_prompts):
+    """The tokens of the prompts, and of the repetitive prompts at NGRAM_MAX_TOKENS (msa_ngram's reference)."""
+    with engine(demo_model, **PLAIN) as llm:
+        return greedy(llm, prompts), greedy(llm, repetitive_prompts, NGRAM_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def msa_ngram(demo_model, repetitive_prompts):
+    """The repetitive prompts' tokens with n-gram speculation, and the metrics."""
+    with engine(demo_model, **PLAIN, speculative_config=NGRAM, disable_log_stats=False) as llm:
+        tokens = greedy(llm, repetitive_prompts, NGRAM_MAX_TOKENS)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return tokens, metrics
 
 
 def test_topk_covering_all_blocks_equals_vllm_dense_backend(dense_tokens, msa_full_k_tokens):
@@ -193,7 +221,29 @@ def test_small_k_is_sparse_and_matches_the_reference_model(demo_model, prompts, 
 def test_prefix_cache_hits_and_chunked_prefill_give_identical_tokens(msa_tokens, msa_plain_tokens):
     first, second, _ = msa_tokens
     assert second == first  # every prompt now hits the prefix cache
-    assert first == msa_plain_tokens  # no prefix caching, no chunking
+    assert first == msa_plain_tokens[0]  # no prefix caching, no chunking
+
+
+def test_ngram_speculation_gives_the_greedy_tokens_without_it_and_verifies_on_the_decode_kernels(
+    repetitive_prompts, msa_plain_tokens, msa_ngram
+):
+    _, plain = msa_plain_tokens
+    tokens, metrics = msa_ngram
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    decode_tokens = metrics["vllm:msa_decode_selections"] / MSA_SELECTIONS_PER_TOKEN
+    print(
+        f"\nn-gram speculation: {accepted:.0f} of {drafted:.0f} drafted tokens accepted, "
+        f"{decode_tokens:.0f} query tokens on the decode kernels"
+    )
+    assert accepted > 0  # speculation happened and paid off
+    for i, (got, want) in enumerate(zip(tokens, plain)):
+        assert got == want, i
+    # Each request's steps after its prompt: the sampled token and the drafts it verifies, all on the decode
+    # kernels (the prompts, prefilled whole, on the prefill kernels): a step per output token not accepted
+    # from a draft (more where a step accepted past max_tokens), plus every drafted token.
+    computed = metrics["vllm:msa_selections"] / MSA_SELECTIONS_PER_TOKEN
+    assert decode_tokens == computed - sum(map(len, repetitive_prompts))
+    assert decode_tokens >= len(repetitive_prompts) * (NGRAM_MAX_TOKENS - 1) - accepted + drafted
 
 
 def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_running_alone(msa_tokens, msa_tight_tokens):
@@ -282,3 +332,58 @@ def test_fp8_index_keys_give_the_reference_models_tokens_under_prefix_caching_ch
     reference = ReferenceFlashMSA(demo_model, msa_overrides=FP8_INDEX_KEYS)
     for prompt, got in zip(concurrent_prompts, msa_fp8_plain_tokens):
         assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+NEAR_TIE = 0.05  # top-2 logprobs closer than this: bf16 rounding of a different batch shape may pick either
+
+
+def greedy_with_cuda_graphs(model_dir, prompts, logprobs=None, **kwargs):
+    """bf16 under vLLM's default compilation and CUDA graphs: each prompt's completion, the query lengths of
+    the full decode graphs, the metrics."""
+    from vllm import SamplingParams
+
+    def full_decode_graph_query_lens(worker) -> list[int]:  # nested: collective_rpc pickles it by value
+        """In a vLLM 0.34 worker (model runner V2): the query length per request of each full CUDA graph it
+        captured for uniform decode batches."""
+        graphs = worker.model_runner.cudagraph_manager.graphs
+        return sorted({d.uniform_token_count for d in graphs if d.cg_mode.name == "FULL" and d.uniform_token_count})
+
+    params = SamplingParams(max_tokens=NGRAM_MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    with engine(
+        model_dir, dtype="bfloat16", enforce_eager=False, max_num_seqs=8, disable_log_stats=False, **kwargs
+    ) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        [graph_query_lens] = llm.collective_rpc(full_decode_graph_query_lens)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return [o.outputs[0] for o in outputs], graph_query_lens, metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ngram_verification_replays_full_cuda_graphs_and_keeps_the_greedy_tokens(
+    repetitive_prompts, tmp_path, monkeypatch
+):
+    """The demo at MiniMax-M3's attention shapes, where the CuTeDSL kernels serve every layer: FLASH_MSA offers
+    full graphs for uniform decode batches, so vLLM captures them for 1 + 3-token verification batches too
+    (it would fall back to piecewise graphs for a backend offering single-token ones only). Greedy tokens with
+    speculation equal those without, except where plain decoding's top-2 are a near tie: the verification
+    batch's GEMMs and split-K differ from a single token's, so bf16 rounds differently."""
+    from serve.build_demo_model import PRESETS, build_demo_model
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships a function to the worker
+    model = build_demo_model(tmp_path / "m3-attention-demo", **PRESETS["m3-attention"])
+    plain, plain_graphs, _ = greedy_with_cuda_graphs(model, repetitive_prompts, logprobs=2, **PLAIN)
+    spec, spec_graphs, metrics = greedy_with_cuda_graphs(model, repetitive_prompts, **PLAIN, speculative_config=NGRAM)
+    assert plain_graphs == [1] and spec_graphs == [1 + NGRAM["num_speculative_tokens"]]
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    print(f"\nn-gram speculation: {accepted:.0f} of {drafted:.0f} drafted tokens accepted")
+    assert accepted > 0
+    for p, (got, want) in enumerate(zip(spec, plain)):
+        step = next((s for s, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if step is not None:
+            top = sorted((lp.logprob for lp in want.logprobs[step].values()), reverse=True)
+            assert top[0] - top[1] < NEAR_TIE, (
+                f"prompt {p} step {step}: {list(got.token_ids)} vs {list(want.token_ids)}"
+            )

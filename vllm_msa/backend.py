@@ -16,8 +16,9 @@ builds it and runs the stages.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
-positions, fixed-size selections), so the builder offers full graphs for single-token decode
-batches; other batches run the layers eagerly between piecewise graphs.
+positions, fixed-size selections), so the builder offers full graphs for uniform decode batches
+(vLLM's UNIFORM_BATCH: one new token per request, or under speculative decoding the same 1 +
+num_speculative_tokens per request); other batches run the layers eagerly between piecewise graphs.
 
 K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block
 (vLLM binds [num_pages, 2, block_size, num_kv_heads * head_dim]; paged_kv views it).
@@ -44,7 +45,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 
 from msa_kernels import ops, reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
-from msa_kernels.shapes import DECODE_QUERY_LEN, MSAShape, PagedBatch
+from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
 from vllm_msa.config import SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
 from vllm_msa.observer import OBSERVER
@@ -109,17 +110,20 @@ class FlashMSAMetadata(AttentionMetadata):
 
 
 class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
-    """Any mix of decode, prefill and chunked prefill. vLLM orders each step's requests with the decode
-    requests (one new token) first (reorder_batch_threshold, as for vLLM's own M3 backend); build splits
-    the batch there once (PagedBatch.split, kept on the batch), so every layer of the step runs the decode
-    kernels on the decode part and the prefill kernels on the prefill part (kernels/ops.py)."""
-
-    reorder_batch_threshold = DECODE_QUERY_LEN
+    """Any mix of decode, speculative verification, prefill and chunked prefill. vLLM orders each step's
+    requests with the decode requests first: one new token, or under speculative decoding up to 1 +
+    num_speculative_tokens (reorder_batch_threshold, raised by vLLM as for its own M3 backend). build
+    splits the batch there once (PagedBatch.split, kept on the batch), so every layer of the step runs the
+    decode kernels on the decode part and the prefill kernels on the prefill part (kernels/ops.py). The
+    decode kernels run every token on its own, causal by its position, so unlike vLLM's M3 the decode part
+    need not be uniform: requests whose drafter proposed fewer tokens, and short chunks of a prompt, run
+    there too."""
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: "VllmConfig", device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        compat.reorder_verification_with_decodes(self, SINGLE_TOKEN_DECODE_QUERY_LEN)
         compilation = vllm_config.compilation_config
         # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
         # replay, since a graph keeps the split count of its capture.
@@ -130,13 +134,14 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
-        """Full graphs for decode batches when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
+        """Full graphs for uniform decode batches (single-token, or speculative verification with the same
+        number of tokens per request) when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
         kernels (or, dense, FlashAttention 3)."""
         device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
         impls = [getattr(layer, "impl", None) for layer in compat.attention_layers(vllm_config).values()]
         impls = [impl for impl in impls if isinstance(impl, (FlashMSAImpl, MSAImpl))]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
-            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+            return AttentionCGSupport.UNIFORM_BATCH
         return AttentionCGSupport.NEVER
 
     def build(
@@ -151,7 +156,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         )
         # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
         batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-        batch.split(compat.num_decode_requests(m, DECODE_QUERY_LEN))
+        batch.split(compat.num_decode_requests(m, self.reorder_batch_threshold))
         return FlashMSAMetadata(
             batch=batch,
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],

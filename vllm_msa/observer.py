@@ -75,7 +75,9 @@ class StepObserver:
         last = next(reversed(self.layers))
         if layer_name == last and self.layers[last].counts_selections:
             block_size = self.layers[last].shape.block_size
-            self.stats.record(selected, batch.positions, block_size, layers=len(self.layers))
+            decode, _ = batch.split()  # the builder's split of the step
+            decode_tokens = decode.num_tokens if decode is not None else 0
+            self.stats.record(selected, batch.positions, block_size, decode_tokens, layers=len(self.layers))
             self.stats.publish()
         capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
         if selection_log.labels_by_key and self.logs_selection and not capturing:

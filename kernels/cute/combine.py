@@ -5,7 +5,9 @@ splits that saw no key have lse = -inf and weight 0. One CTA per (token, query h
 per output element of the head dim. combine_splits launches it (for sparse_attn.py's launcher).
 """
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -14,6 +16,9 @@ import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel
+
+if TYPE_CHECKING:
+    import tvm_ffi
 
 
 @dataclass(frozen=True)
@@ -73,4 +78,9 @@ class CombineKernel:
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
     _, _, num_q_heads, head_dim = partial_out.shape
-    compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))(partial_out, partial_lse, out)
+    _kernel(num_q_heads, head_dim)(partial_out, partial_lse, out)
+
+
+@functools.cache
+def _kernel(num_q_heads: int, head_dim: int) -> "tvm_ffi.Function":
+    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))

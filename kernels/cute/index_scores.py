@@ -11,7 +11,9 @@ shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path: memory boun
 is read once per query token. index_block_scores launches it.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -21,6 +23,9 @@ import torch
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    import tvm_ffi
 
 WARP = 32
 VEC = 8  # bf16 elements per 16-byte load
@@ -171,13 +176,11 @@ def index_block_scores(
         dtype=torch.float32,
         device=index_q.device,
     )
-    params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
-    compiled_kernel(IndexScoreKernel, params)(
-        index_q.contiguous(),
-        index_key_cache,
-        batch.block_table.to(torch.int32),
-        batch.token_requests,
-        batch.positions,
-        out,
-    )
+    _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out)
     return out
+
+
+@functools.cache
+def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
+    params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
+    return compiled_kernel(IndexScoreKernel, params)

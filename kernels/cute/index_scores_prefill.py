@@ -18,7 +18,9 @@ Blocks past a row's position are not written: prefill_index_block_scores, its la
 with -inf first.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -31,6 +33,9 @@ from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    import tvm_ffi
 
 PREFILL_TILE_TOKENS = 64  # query tokens per CTA (the warpgroup MMA's M)
 WARPGROUP = 128
@@ -291,15 +296,14 @@ def prefill_index_block_scores(
         dtype=torch.float32,
         device=index_q.device,
     )
+    tiles = batch.request_tiles(PREFILL_TILE_TOKENS)
+    _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.positions, tiles, out)
+    return out
+
+
+@functools.cache
+def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
     params = PrefillIndexScoreParams(
         shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
     )
-    compiled_kernel(PrefillIndexScoreKernel, params)(
-        index_q.contiguous(),
-        index_key_cache,
-        batch.block_table.to(torch.int32),
-        batch.positions,
-        batch.request_tiles(PREFILL_TILE_TOKENS),
-        out,
-    )
-    return out
+    return compiled_kernel(PrefillIndexScoreKernel, params)

@@ -23,6 +23,7 @@ attend_per_token (the same on converted inputs, also for the tiles sparse_attn_p
 import functools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -43,6 +44,9 @@ from msa_kernels.cute.warp_mma import (
     swizzled_rows,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+if TYPE_CHECKING:
+    import tvm_ffi
 
 ROWS = 16  # query heads per tile: the MMA's M
 LOG2_E = 1.4426950408889634
@@ -367,7 +371,6 @@ def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
     return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + 1024)))
 
 
-@functools.cache
 def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, resident_ctas: int) -> tuple[int, int]:
     """(splits, slots per split) for tokens x heads x splits CTAs that run in waves of resident_ctas.
 
@@ -387,17 +390,10 @@ def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, reside
 
 
 def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, selected: torch.Tensor) -> tuple:
-    """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them (q
-    contiguous, int32 indices), made once: the prefill kernel and the per-token kernel for the tiles it
-    leaves share them."""
-    return (
-        q.contiguous(),
-        kv_cache,
-        batch.block_table.to(torch.int32),
-        batch.seq_lens.to(torch.int32),
-        batch.positions,
-        selected.to(torch.int32).contiguous(),
-    )
+    """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them (q and
+    selected contiguous; the batch's index tensors are int32, selected must be), made once: the prefill
+    kernel and the per-token kernel for the tiles it leaves share them."""
+    return (q.contiguous(), kv_cache, batch.block_table, batch.seq_lens, batch.positions, selected.contiguous())
 
 
 def sparse_attention(
@@ -410,7 +406,8 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: one token per CTA.
+    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs and int32 selections on
+    Hopper: one token per CTA.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
     tile), chosen by num_splits unless given (benchmarks sweep it).
@@ -437,24 +434,38 @@ def attend_per_token(
     variant, which skips the rows already written."""
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     q, kv_cache, block_table, seq_lens, positions, selected = inputs
+    plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, result.device.index or 0)
+    token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
+    lse = torch.empty((plan.splits, num_tokens, hq), dtype=torch.float32, device=result.device)
+    if plan.splits == 1:
+        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, plan.slots_per_split)
+    else:
+        partial = torch.empty((plan.splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
+        plan.kernel(*token_inputs, partial, lse, None, scale, plan.slots_per_split)
+        combine_splits(partial, lse, result)
+
+
+class LaunchPlan(NamedTuple):
+    kernel: "tvm_ffi.Function"
+    splits: int
+    slots_per_split: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(
+    shape: MSAShape, num_tokens: int, topk: int, splits: int | None, gated: bool, device_index: int
+) -> LaunchPlan:
+    """The compiled kernel and split-K of a call (splits: the caller's, else num_splits'), worked out once
+    per call shape: an eager layer call pays a cache lookup, not the search."""
     params = SparseAttentionParams(
-        hq, shape.num_kv_heads, shape.num_index_heads, d, shape.block_size, gated=handled is not None
+        shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, shape.block_size, gated=gated
     )
     if splits is None:
-        resident = resident_ctas_per_sm(params) * num_sms(result.device.index or 0)
+        resident = resident_ctas_per_sm(params) * num_sms(device_index)
         splits, per_split = num_splits(num_tokens, params, topk, resident)
     else:
         per_split = -(-topk // splits)
         splits = -(-topk // per_split)
-    token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
-    lse = torch.empty((splits, num_tokens, hq), dtype=torch.float32, device=result.device)
-    if splits == 1:
-        compiled_kernel(SparseAttentionKernel, params)(
-            *token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, per_split
-        )
-    else:
-        partial = torch.empty((splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
-        compiled_kernel(SparseAttentionKernel, replace(params, split=True))(
-            *token_inputs, partial, lse, None, scale, per_split
-        )
-        combine_splits(partial, lse, result)
+    if splits > 1:
+        params = replace(params, split=True)
+    return LaunchPlan(compiled_kernel(SparseAttentionKernel, params), splits, per_split)

@@ -14,7 +14,9 @@ go to the lower block number and the output comes out sorted. Rows with no more 
 slots skip the search and take every visible block. topk_blocks launches it.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -24,6 +26,9 @@ import torch
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.shapes import MSAShape
+
+if TYPE_CHECKING:
+    import tvm_ffi
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -182,13 +187,17 @@ class TopkBlocksKernel:
 def topk_blocks(
     scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores on Hopper; ties go to the lower
-    block number. out: [T, Hi, K] int32 to write (a slice of a step's selection), else a new tensor."""
+    """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores and int32 positions (as
+    PagedBatch.positions) on Hopper; ties go to the lower block number. out: [T, Hi, K] int32 to write
+    (a slice of a step's selection), else a new tensor."""
     num_tokens, num_heads, _ = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
     if num_tokens:
-        params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
-        compiled_kernel(TopkBlocksKernel, params)(
-            scores.contiguous().view(torch.int32), positions.to(torch.int32), result
-        )
+        _kernel(shape)(scores.contiguous().view(torch.int32), positions, result)
     return copy_into(result, out)
+
+
+@functools.cache
+def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
+    params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
+    return compiled_kernel(TopkBlocksKernel, params)
