@@ -26,6 +26,9 @@ layer of the step reuses those parts; other callers' batches (tests, benchmarks)
 first request with more than one new token, unless the caller split them. A batch of one phase runs as it
 is. A decode part never syncs the host and has no data-dependent shapes: a full-graph decode step
 (single-token or a uniform verification batch) can be captured.
+
+An FP8 index-key cache (msa_kernels.fp8_index_keys) has no CuTeDSL kernel yet: its index scores run the
+reference on every device (on a Hopper GPU with a one-time warning), never a kernel that reads bf16.
 """
 
 import functools
@@ -37,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from msa_kernels import reference
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.34's pin), its calling convention
@@ -79,19 +83,24 @@ class Steps(NamedTuple):
 
 
 @functools.cache
-def _steps(device: torch.device, dtype: torch.dtype, shape: MSAShape, phase: Phase) -> Steps:
-    """What runs each step of a part of this phase, for inputs of this device and dtype: chosen once per
-    (device, dtype, shape, phase), since an eager layer call must cost microseconds of host time."""
+def _steps(
+    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, shape: MSAShape, phase: Phase
+) -> Steps:
+    """What runs each step of a part of this phase, for inputs of this device and dtype and an index-key cache
+    of index_key_dtype (Fp8IndexKeyCache.dtype: an FP8 cache): chosen once per (device, dtypes, shape, phase),
+    since an eager layer call must cost microseconds of host time."""
     steps = Steps(reference.index_block_scores, reference.topk_blocks, reference.sparse_attention)
     if not _on_hopper(device):
         return steps
     from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
 
-    served = (dtype, shape.index_head_dim, shape.block_size)
+    served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
     elif index_scores.IndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores.index_block_scores)
+    elif index_key_dtype == Fp8IndexKeyCache.dtype:
+        _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
         steps = steps._replace(topk=topk_blocks.topk_blocks)
@@ -103,6 +112,14 @@ def _steps(device: torch.device, dtype: torch.dtype, shape: MSAShape, phase: Pha
     elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
         steps = steps._replace(attention=sparse_attn.sparse_attention)
     return steps
+
+
+@functools.cache
+def _warn_fp8_index_keys_run_the_reference() -> None:
+    logger.warning(
+        "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL index-score kernels do not read FP8 index keys yet, so the "
+        "index scores run the PyTorch path on this GPU (the same FP8 scores, far slower; no full CUDA graphs)"
+    )
 
 
 def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
@@ -122,9 +139,13 @@ def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
 
-def uses_cute_index_scores(index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
-    """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries."""
-    return _steps(index_q.device, index_q.dtype, shape, phase).index_scores is not reference.index_block_scores
+def uses_cute_index_scores(
+    index_q: torch.Tensor, shape: MSAShape, phase: Phase = "decode", index_key_dtype: torch.dtype | None = None
+) -> bool:
+    """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries and an
+    index-key cache of index_key_dtype (None: the queries' dtype; Fp8IndexKeyCache.dtype: an FP8 cache)."""
+    steps = _steps(index_q.device, index_q.dtype, index_key_dtype or index_q.dtype, shape, phase)
+    return steps.index_scores is not reference.index_block_scores
 
 
 def uses_cute_topk(scores: torch.Tensor) -> bool:
@@ -138,34 +159,42 @@ def uses_cute_topk(scores: torch.Tensor) -> bool:
 
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
-    return _steps(q.device, q.dtype, shape, phase).attention is not reference.sparse_attention
+    return _steps(q.device, q.dtype, q.dtype, shape, phase).attention is not reference.sparse_attention
 
 
-def describe(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str:
+def describe(
+    device: torch.device, dtype: torch.dtype, shape: MSAShape, index_key_dtype: torch.dtype | None = None
+) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
-    decode part does)."""
-    steps = _steps(torch.device(device), dtype, shape, "decode")
+    decode part does); index_key_dtype as for uses_cute_index_scores."""
+    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
     index = "PyTorch" if steps.index_scores is reference.index_block_scores else "CuTeDSL"
     topk = "PyTorch" if steps.topk is reference.topk_blocks else "CuTeDSL"
     attention = "PyTorch" if steps.attention is reference.sparse_attention else "CuTeDSL"
     return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
 
 
-def graph_capturable(device: torch.device, dtype: torch.dtype, shape: MSAShape, index_scores: bool = True) -> bool:
+def graph_capturable(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: MSAShape,
+    index_scores: bool = True,
+    index_key_dtype: torch.dtype | None = None,
+) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
-    loop over requests on the host."""
-    steps = _steps(torch.device(device), dtype, shape, "decode")
+    loop over requests on the host. index_key_dtype as for uses_cute_index_scores."""
+    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
     served = steps.attention is not reference.sparse_attention
     return served and (not index_scores or steps.index_scores is not reference.index_block_scores)
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
     """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
     scores = [
-        _steps(index_q.device, index_q.dtype, shape, part.phase).index_scores(
+        _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase).index_scores(
             _rows(index_q, rows), index_key_cache, part, shape
         )
         for rows, part in _parts(batch)
@@ -177,7 +206,7 @@ def index_block_scores(
 
 def select_blocks(
     index_q: torch.Tensor,
-    index_key_cache: torch.Tensor,
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
     batch: PagedBatch,
     shape: MSAShape,
     out: torch.Tensor | None = None,
@@ -192,7 +221,7 @@ def select_blocks(
         )
     )
     for rows, part in _parts(batch):
-        steps = _steps(index_q.device, index_q.dtype, shape, part.phase)
+        steps = _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase)
         scores = steps.index_scores(_rows(index_q, rows), index_key_cache, part, shape)
         steps.topk(scores, part.positions, shape, out=_rows(selected, rows))
     return selected
@@ -211,7 +240,11 @@ def sparse_attention(
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
     contiguous = kv_cache.is_contiguous()
     for rows, part in _parts(batch):
-        attend = _steps(q.device, q.dtype, shape, part.phase).attention if contiguous else reference.sparse_attention
+        attend = (
+            _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
+            if contiguous
+            else reference.sparse_attention
+        )
         attend(_rows(q, rows), kv_cache, part, _rows(selected, rows), shape, scale, out=_rows(result, rows))
     return result
 
@@ -220,7 +253,7 @@ def msa_attention(
     q: torch.Tensor,
     index_q: torch.Tensor,
     kv_cache: torch.Tensor,
-    index_key_cache: torch.Tensor,
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
     batch: PagedBatch,
     shape: MSAShape,
     scale: float,

@@ -8,6 +8,8 @@ batch (decode, prefill or a mix of both):
 
 Layouts (vLLM's, page size == block size B):
   index_key_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
+  or an FP8 index-key cache (msa_kernels.fp8_index_keys: e4m3 pages with per-token float32 scales), scored
+  as FP8 MMAs score it: keys dequantised (e4m3 x scale), index queries rounded to FP8 the same way.
 Selections hold logical block numbers of the request (not page ids), ascending, -1 at the end.
 
 Work is vectorised per request and per chunk of query tokens (bounded memory); the only Python
@@ -16,6 +18,7 @@ loops are over requests and query chunks. Arithmetic runs in float32, or float64
 
 import torch
 
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows, round_trip
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 # Upper bound on elements of one [query chunk, heads, keys] score tile.
@@ -39,11 +42,18 @@ def _request_pages(batch: PagedBatch, r: int, block_size: int) -> tuple[torch.Te
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Max-pooled causal index scores, [T, Hi, max_blocks]; -inf where a block has no visible key."""
+    """Max-pooled causal index scores, [T, Hi, max_blocks]; -inf where a block has no visible key.
+
+    With an FP8 index-key cache: the scores of the FP8-rounded index queries (fp8_index_keys.round_trip, per
+    token and index head) against the dequantised keys, in float32.
+    """
     num_tokens, max_blocks = batch.num_tokens, batch.block_table.shape[1]
     hki, group, bs = shape.num_index_key_heads, shape.index_heads_per_key_head, shape.block_size
+    fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
+    if fp8:
+        index_q = round_trip(index_q)
     dtype = _compute_dtype(index_q)
     out = index_q.new_full((num_tokens, shape.num_index_heads, max_blocks), float("-inf"), dtype=dtype)
     positions = batch.positions
@@ -51,7 +61,8 @@ def index_block_scores(
         pages, num_blocks = _request_pages(batch, r, bs)
         if num_blocks == 0:
             continue
-        keys = index_key_cache[pages].to(dtype).reshape(num_blocks * bs, hki, shape.index_head_dim)
+        keys = index_key_cache.dequantize(pages) if fp8 else index_key_cache[pages].to(dtype)
+        keys = keys.reshape(num_blocks * bs, hki, shape.index_head_dim)
         key_pos = torch.arange(num_blocks * bs, device=keys.device)
         q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]
         for c0, c1 in _query_chunks(q0, q1, shape.num_index_heads, num_blocks * bs):
@@ -150,3 +161,16 @@ def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.T
     slots = slot_mapping[keep].long()
     block_size = cache.shape[1]
     cache[slots // block_size, slots % block_size] = values[: slot_mapping.shape[0]][keep].to(cache.dtype)
+
+
+def write_index_keys(
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
+) -> None:
+    """Store per-token index keys [T, Hki, Dp] at flat slots (< 0: skipped); an FP8 cache gets them quantised
+    per (token, index-key head), values and scales."""
+    if not isinstance(index_key_cache, Fp8IndexKeyCache):
+        write_paged(index_key_cache, slot_mapping, index_keys)
+        return
+    values, scales = quantize_rows(index_keys[: slot_mapping.shape[0]])
+    write_paged(index_key_cache.values, slot_mapping, values)
+    write_paged(index_key_cache.scales, slot_mapping, scales)

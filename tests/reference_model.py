@@ -2,7 +2,8 @@
 
 The oracle for the vLLM integration: greedy decoding re-runs the whole sequence each step (no KV
 cache), so nothing vLLM does (paging, prefix caching, chunking, batching) can leak into it. MSA
-layers use msa_kernels.reference on a one-request batch with pages in order.
+layers use msa_kernels.reference on a one-request batch with pages in order, the index keys in the format
+msa_config.indexer_kv_dtype names (auto: the model's dtype; bf16; fp8: quantised per token).
 """
 
 import json
@@ -11,9 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.ops import msa_attention
 from msa_kernels.shapes import PagedBatch
-from vllm_msa.config import MSAModelConfig
+from vllm_msa.config import MSAModelConfig, index_key_dtype
 
 
 class _Config(dict):
@@ -41,6 +43,7 @@ class ReferenceFlashMSA:
         self.config = _Config(raw)
         self.msa = MSAModelConfig.from_hf_config(self.config)
         self.shape = self.msa.layer_shape(self.config)
+        self.index_key_dtype = index_key_dtype(self.msa.indexer_kv_dtype, dtype)
         self.w = {k: v.to(dtype) for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
 
     def _attention(self, i, x, positions):
@@ -67,6 +70,10 @@ class ReferenceFlashMSA:
             2, num_pages, s.block_size, *k.shape[1:]
         )
         index_keys = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
+        if self.index_key_dtype == Fp8IndexKeyCache.dtype:
+            index_keys = Fp8IndexKeyCache.quantize(index_keys)
+        else:
+            index_keys = index_keys.to(self.index_key_dtype)
         batch = PagedBatch(
             query_start_loc=torch.tensor([0, n]),
             seq_lens=torch.tensor([n]),

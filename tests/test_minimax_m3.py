@@ -28,7 +28,12 @@ import torch
 from msa_kernels import ops, reference
 from msa_kernels.shapes import MSAShape, PagedBatch
 from serve.build_m3_model import PRESETS, build_m3_model, make_config
-from vllm_msa.config import MSAConfigError, MSAModelConfig, check_minimax_m3_serving_config
+from vllm_msa.config import (
+    MSAConfigError,
+    MSAModelConfig,
+    check_minimax_m3_serving_config,
+    served_indexer_kv_dtype,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = "MiniMaxM3SparseForCausalLM"
@@ -163,7 +168,7 @@ def test_m3_configs_flash_msa_cannot_serve_are_refused(schema, overrides, messag
         MSAModelConfig.from_minimax_m3(m3_text_config(schema, sparse_attention_config=overrides))
 
 
-def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1):
+def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1, indexer_kv_dtype="auto"):
     """The parts of a VllmConfig the check reads (vLLM cannot build a whole M3 VllmConfig on CPU)."""
     from vllm.config import CacheConfig
     from vllm.config.attention import AttentionConfig
@@ -175,7 +180,7 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
         cache_config=cache,
         # vLLM's ParallelConfig refuses a TP size above the GPU count: only the TP size is read
         parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size),
-        attention_config=AttentionConfig(backend=backend),
+        attention_config=AttentionConfig(backend=backend, indexer_kv_dtype=indexer_kv_dtype),
     )
 
 
@@ -195,6 +200,19 @@ def test_m3_serving_check_acts_only_under_flash_msa(text_config):
         check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", tensor_parallel_size=tp))
     with pytest.raises(MSAConfigError, match="num_attention_heads 32 is not divisible by --tensor-parallel-size 3"):
         check_minimax_m3_serving_config(serving_config(text_config, "FLASH_MSA", tensor_parallel_size=3))
+
+
+def test_m3_under_flash_msa_honours_vllms_indexer_kv_dtype_option(text_config):
+    """vLLM's M3 reads `--attention-config '{"indexer_kv_dtype": ...}'` (auto: bf16); so does FLASH_MSA."""
+    msa = MSAModelConfig.from_minimax_m3(text_config)
+    for option, served in (("auto", "auto"), ("bf16", "bf16"), ("fp8", "fp8")):
+        config = serving_config(text_config, "FLASH_MSA", indexer_kv_dtype=option)
+        check_minimax_m3_serving_config(config)
+        assert served_indexer_kv_dtype(config, msa) == served
+    refused = serving_config(text_config, "FLASH_MSA", indexer_kv_dtype="nvfp4")
+    with pytest.raises(MSAConfigError, match="--attention-config indexer_kv_dtype 'nvfp4' is not served"):
+        check_minimax_m3_serving_config(refused)
+    check_minimax_m3_serving_config(serving_config(text_config, None, indexer_kv_dtype="nvfp4"))  # vLLM's own M3
 
 
 def vllm_index_ops(monkeypatch):

@@ -1,14 +1,18 @@
-"""Plugin registration (the FLASH_MSA name in every process) and msa_config validation."""
+"""Plugin registration (the FLASH_MSA name in every process), msa_config validation and the index-key cache format
+(indexer_kv_dtype)."""
 
 import json
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from vllm_msa.config import MSAConfigError, MSAModelConfig
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from vllm_msa.config import MSAConfigError, MSAModelConfig, index_key_dtype, served_indexer_kv_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,12 +95,48 @@ def test_msa_config_parses_and_builds_layer_shapes():
         (MSA | {"topk_blocks": "4"}, "msa_config.topk_blocks must be an integer"),
         (MSA | {"num_index_heads": 3}, "num_index_heads 3 must be a multiple of num_kv_heads 2"),
         (MSA | {"dense_layers": [7]}, r"dense_layers \[7\] outside 0..3"),
+        (
+            MSA | {"indexer_kv_dtype": "nvfp4"},
+            r"msa_config.indexer_kv_dtype 'nvfp4' is not served: FLASH_MSA keeps index keys as one of "
+            r"\['auto', 'bf16', 'fp8', 'fp8_e4m3'\]",
+        ),
     ],
 )
 def test_bad_msa_config_names_the_field(msa_config, message):
     hf = _HF() if msa_config is None else _HF(msa_config=msa_config)
     with pytest.raises(MSAConfigError, match=message):
         MSAModelConfig.from_hf_config(hf)
+
+
+def _attention_config(indexer_kv_dtype: str) -> SimpleNamespace:
+    from vllm.config.attention import AttentionConfig
+
+    return SimpleNamespace(attention_config=AttentionConfig(indexer_kv_dtype=indexer_kv_dtype))
+
+
+def test_indexer_kv_dtype_comes_from_the_attention_config_else_msa_config_and_names_the_cache_dtype():
+    fp8 = Fp8IndexKeyCache.dtype
+    checkpoint = MSAModelConfig.from_hf_config(_HF(msa_config=MSA | {"indexer_kv_dtype": "fp8"}))
+    plain = MSAModelConfig.from_hf_config(_HF(msa_config=MSA))
+    assert plain.indexer_kv_dtype == "auto"
+    assert served_indexer_kv_dtype(_attention_config("auto"), checkpoint) == "fp8"
+    assert served_indexer_kv_dtype(_attention_config("bf16"), checkpoint) == "bf16"  # the command line wins
+    assert served_indexer_kv_dtype(_attention_config("fp8"), plain) == "fp8"
+    with pytest.raises(MSAConfigError, match="--attention-config indexer_kv_dtype 'mxfp4' is not served"):
+        served_indexer_kv_dtype(_attention_config("mxfp4"), plain)
+    assert index_key_dtype("auto", torch.float32) == torch.float32
+    assert index_key_dtype("bf16", torch.float32) == torch.bfloat16
+    assert index_key_dtype("fp8", torch.bfloat16) == index_key_dtype("fp8_e4m3", torch.float32) == fp8
+
+
+def test_fp8_index_key_pages_budget_values_and_scales():
+    from vllm_msa.index_key_cache import index_key_cache_spec
+
+    bf16 = index_key_cache_spec(1, 128, 128, torch.bfloat16)
+    fp8 = index_key_cache_spec(1, 128, 128, Fp8IndexKeyCache.dtype)
+    assert bf16.page_size_bytes == 128 * 128 * 2
+    assert fp8.page_size_bytes == 128 * (128 + 4) and fp8.dtype == torch.uint8  # e4m3 values, float32 scale
+    assert index_key_cache_spec(2, 32, 128, Fp8IndexKeyCache.dtype).page_size_bytes == 128 * 2 * (32 + 4)
 
 
 def test_demo_checkpoint_is_sparse_at_2k_tokens(demo_model):
@@ -240,6 +280,8 @@ def test_sizing_reads_the_cache_specs_vllm_allocates(demo_model):
     # bf16: K/V 2 x Hkv 2 x D 32 x 2 B in 4 layers; index keys Dp 32 x 2 B in the 3 MSA layers
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=1) == (4 * 256, 3 * 64)
     assert sizing.cache_bytes_per_token(text, msa, range(4), tp=2) == (4 * 128, 3 * 64)  # 1 KV head per rank
+    fp8 = sizing.cache_bytes_per_token(text, msa, range(4), tp=1, indexer_kv_dtype="fp8")
+    assert fp8 == (4 * 256, 3 * 36)  # e4m3 index keys + a float32 scale per token
     report = sizing.size(
         demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16", contexts=[4096]
     )

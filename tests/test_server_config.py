@@ -36,6 +36,11 @@ BAD_CONFIGS = {
         ["--kv-cache-dtype", "fp8"],
         "--kv-cache-dtype fp8 is not served",
     ),
+    "an index-key format FLASH_MSA does not serve": (
+        ["--attention-config", json.dumps({"indexer_kv_dtype": "nvfp4"})],
+        "--attention-config indexer_kv_dtype 'nvfp4' is not served: FLASH_MSA keeps index keys as one of "
+        "['auto', 'bf16', 'fp8', 'fp8_e4m3']",
+    ),
     "FlashMSAForCausalLM without msa_config": (
         ["--hf-overrides", json.dumps({"msa_config": None})],
         "this checkpoint has no 'msa_config' in config.json",

@@ -14,6 +14,8 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_pp2     as msa, pipeline parallel 2 (layers 0-1 and 2-3)
   replicated  a demo variant with 1 KV head and 1 index head, tensor parallel 1 and 2: at TP 2 both
               ranks hold the KV head, the index head and the index keys (vLLM's KV-head replication)
+  msa_fp8     as msa_tight with FP8 index keys (msa_config.indexer_kv_dtype fp8): the concurrent prompts
+              twice in 36 pages; msa_fp8_plain the same model without prefix caching or chunked prefill
 Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
@@ -151,6 +153,39 @@ def msa_tight_tokens(demo_model, concurrent_prompts):
     return tokens, metrics
 
 
+FP8_INDEX_KEYS = {"indexer_kv_dtype": "fp8"}
+FP8_PAGE_BYTES = 128 * (2048 + 3 * 36)  # fp32 K/V of 4 layers, e4m3 index keys (32 B) + a float32 scale in 3
+
+
+@pytest.fixture(scope="module")
+def msa_fp8_tokens(demo_model, concurrent_prompts):
+    """The concurrent prompts twice in 36 pages (4608 tokens): tokens of each pass, metrics, pages."""
+    with engine(
+        demo_model,
+        msa_overrides=FP8_INDEX_KEYS,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        kv_cache_memory_bytes=36 * FP8_PAGE_BYTES,
+        disable_log_stats=False,
+    ) as llm:
+        first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    return first, second, metrics, pages
+
+
+@pytest.fixture(scope="module")
+def msa_fp8_plain_tokens(demo_model, concurrent_prompts):
+    with engine(
+        demo_model,
+        msa_overrides=FP8_INDEX_KEYS,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+    ) as llm:
+        return greedy(llm, concurrent_prompts)
+
+
 @pytest.fixture(scope="module")
 def msa_plain_tokens(demo_model, prompts, repetitive_prompts):
     """The tokens of the prompts, and of the repetitive prompts at NGRAM_MAX_TOKENS (msa_ngram's reference)."""
@@ -281,6 +316,22 @@ def test_replicated_kv_and_index_heads_at_tp2_give_tp1s_greedy_tokens(replicated
     assert tp1_second == tp1_first
     assert first == tp1_first and second == tp1_first
     assert_selections_counted_once(metrics, prompts, index_heads=1)  # one index head, held by both ranks
+
+
+def test_fp8_index_keys_give_the_reference_models_tokens_under_prefix_caching_chunking_and_preemption(
+    demo_model, concurrent_prompts, msa_fp8_tokens, msa_fp8_plain_tokens
+):
+    first, second, metrics, pages = msa_fp8_tokens
+    print(
+        f"\nFP8 index keys, 36 pages: {metrics['vllm:num_preemptions']:.0f} preemptions, "
+        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens"
+    )
+    assert pages == 36  # vLLM budgets the FP8 index-key pages at their bytes: values and scales
+    assert metrics["vllm:num_preemptions"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
+    assert first == msa_fp8_plain_tokens and second == msa_fp8_plain_tokens
+    reference = ReferenceFlashMSA(demo_model, msa_overrides=FP8_INDEX_KEYS)
+    for prompt, got in zip(concurrent_prompts, msa_fp8_plain_tokens):
+        assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

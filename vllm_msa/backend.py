@@ -44,9 +44,10 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 
 from msa_kernels import ops, reference
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
-from vllm_msa.config import SERVED_CACHE_DTYPES, MSAModelConfig
+from vllm_msa.config import SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
 from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
 
@@ -275,14 +276,16 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     """One MSA layer's step on its paged caches, in three stages that MSAAttention runs in this order (the
     step observer marks the stages apart): cache the step's K/V and index keys, select blocks, attend."""
 
-    def __init__(self, shape: MSAShape, scale: float) -> None:
+    def __init__(self, shape: MSAShape, scale: float, index_key_dtype: torch.dtype) -> None:
+        """index_key_dtype: the index-key cache's (Fp8IndexKeyCache.dtype: FP8)."""
         self.shape = shape
         self.num_heads = shape.num_q_heads
         self.head_size = shape.head_dim
         self.scale = scale
+        self.index_key_dtype = index_key_dtype
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return ops.graph_capturable(device, dtype, self.shape)
+        return ops.graph_capturable(device, dtype, self.shape, index_key_dtype=self.index_key_dtype)
 
     def write_caches(
         self,
@@ -290,17 +293,21 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         value: torch.Tensor,
         index_key: torch.Tensor,
         kv_cache: torch.Tensor,
-        index_key_cache: torch.Tensor,
+        index_key_cache: torch.Tensor | Fp8IndexKeyCache,
         attn_metadata: FlashMSAMetadata,
         index_metadata: FlashMSAMetadata,
     ) -> None:
-        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots."""
+        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (index keys quantised
+        for an FP8 cache)."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
-        write_paged(index_key_cache, index_key_cache, index_metadata.slot_mapping, index_key, index_key)
+        write_index_keys(index_key_cache, index_metadata.slot_mapping, index_key)
 
     def select(
-        self, index_query: torch.Tensor, index_key_cache: torch.Tensor, index_metadata: FlashMSAMetadata
+        self,
+        index_query: torch.Tensor,
+        index_key_cache: torch.Tensor | Fp8IndexKeyCache,
+        index_metadata: FlashMSAMetadata,
     ) -> torch.Tensor:
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
         n = index_metadata.num_actual_tokens
@@ -347,11 +354,14 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
     tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
     layout = msa.rank_layout(hf_config, tp_size, tp_rank)
     device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
+    keys = served_index_key_dtype(vllm_config, msa)
     logger.info(
-        "%s: MSA layers %s on FLASH_MSA (%s; top-%d of %d-token blocks, %d local, %d init; %s), dense layers %s %s",
+        "%s: MSA layers %s on FLASH_MSA (%s; index keys %s; top-%d of %d-token blocks, %d local, %d init; %s), "
+        "dense layers %s %s",
         model,
         msa.sparse_layers(hf_config.num_hidden_layers),
-        ops.describe(device, dtype, shape),
+        ops.describe(device, dtype, shape, index_key_dtype=keys),
+        "fp8 (e4m3, a float32 scale per token)" if keys == Fp8IndexKeyCache.dtype else str(keys).removeprefix("torch."),
         msa.topk_blocks,
         msa.block_size,
         msa.local_blocks,
@@ -361,7 +371,9 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim)),
     )
     probe = torch.empty(0, device=device, dtype=dtype)
-    kernels_serve = ops.uses_cute_index_scores(probe, shape) and ops.uses_cute_sparse_attention(probe, shape)
+    kernel_keys = dtype if keys == Fp8IndexKeyCache.dtype else keys  # FP8 index keys: ops' own warning says so
+    kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=kernel_keys)
+    kernels_serve = kernels_serve and ops.uses_cute_sparse_attention(probe, shape)
     if probe.is_cuda and not kernels_serve:
         logger.warning(
             "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
@@ -379,6 +391,18 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
     return kv_cache.unflatten(-1, (num_kv_heads, head_size))
 
 
+def write_index_keys(
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_key: torch.Tensor
+) -> None:
+    """Store the step's index keys [T, Hki, Dp] at flat slots (< 0: skipped), in the cache's dtype: FP8 caches and
+    CPU through the reference (quantising for FP8), other CUDA caches as write_paged does."""
+    if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
+        reference.write_index_keys(index_key_cache, slot_mapping, index_key)
+        return
+    index_key = index_key.to(index_key_cache.dtype)  # the cache passed as both caches: the same rows written twice
+    compat.write_paged_cuda(index_key_cache, index_key_cache, slot_mapping, index_key, index_key)
+
+
 def write_paged(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -388,12 +412,11 @@ def write_paged(
 ) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
-    On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); the index-key
-    cache passes itself as both caches, the same rows written twice. Elsewhere the reference.
+    On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); elsewhere the
+    reference.
     """
     if key_cache.is_cuda:
         compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value)
         return
     reference.write_paged(key_cache, slot_mapping, key)
-    if value_cache is not key_cache:
-        reference.write_paged(value_cache, slot_mapping, value)
+    reference.write_paged(value_cache, slot_mapping, value)

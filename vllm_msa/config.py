@@ -2,11 +2,17 @@
 
     "msa_config": {"block_size": 128, "topk_blocks": 16, "local_blocks": 1, "init_blocks": 0,
                    "num_index_heads": 4, "num_index_key_heads": 1, "index_head_dim": 128,
-                   "dense_layers": [0, 1, 2]}
+                   "dense_layers": [0, 1, 2], "indexer_kv_dtype": "auto"}
 
 Layers listed in dense_layers run plain dense attention; every other layer is an MSA layer.
 MiniMax-M3 checkpoints describe the same things in their own `sparse_attention_config`
 (MSAModelConfig.from_minimax_m3, from the fields vLLM's in-tree M3 reads).
+
+indexer_kv_dtype is the index-key cache's format, with the values of vLLM's option of that name (which
+vLLM's MiniMax-M3 reads from `--attention-config '{"indexer_kv_dtype": ...}'`): auto (the K/V cache's
+dtype, the model's), bf16, fp8 / fp8_e4m3 (e4m3 with a float32 scale per token and index-key head:
+msa_kernels.fp8_index_keys). `--attention-config` sets it for any model FLASH_MSA serves; otherwise a
+FlashMSAForCausalLM checkpoint's msa_config.indexer_kv_dtype does (served_indexer_kv_dtype).
 
 check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
@@ -16,8 +22,10 @@ serve stops `vllm serve` before any engine process starts, with a message naming
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+import torch
 from vllm.logger import init_logger
 
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 
@@ -29,6 +37,9 @@ logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
 SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values FLASH_MSA serves: no fp8
+# indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
+INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
+SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
 
 
 class MSAConfigError(ValueError):
@@ -45,6 +56,7 @@ class MSAModelConfig:
     local_blocks: int = 1
     init_blocks: int = 0
     dense_layers: tuple[int, ...] = ()
+    indexer_kv_dtype: str = "auto"
 
     @classmethod
     def from_hf_config(cls, hf_config: "PretrainedConfig") -> "MSAModelConfig":
@@ -64,8 +76,15 @@ class MSAModelConfig:
         values = dict(raw)
         values["dense_layers"] = tuple(int(i) for i in raw.get("dense_layers", ()))
         for name, value in values.items():
-            if name != "dense_layers" and (not isinstance(value, int) or isinstance(value, bool)):
+            if name in ("dense_layers", "indexer_kv_dtype"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
                 raise MSAConfigError(f"msa_config.{name} must be an integer, got {value!r}")
+        if values.get("indexer_kv_dtype", "auto") not in SERVED_INDEXER_KV_DTYPES:
+            raise MSAConfigError(
+                f"msa_config.indexer_kv_dtype {values['indexer_kv_dtype']!r} is not served: FLASH_MSA keeps index keys "
+                f"as one of {list(SERVED_INDEXER_KV_DTYPES)}"
+            )
         config = cls(**values)
         num_layers = hf_config.num_hidden_layers
         bad = [i for i in config.dense_layers if not 0 <= i < num_layers]
@@ -193,6 +212,33 @@ def _rank_heads(total: int, tp_size: int, tp_rank: int, what: str) -> range:
     return range(head, head + 1)
 
 
+def served_indexer_kv_dtype(vllm_config: "VllmConfig", msa: MSAModelConfig) -> str:
+    """The index-key cache format of this model: `--attention-config` indexer_kv_dtype where given (not auto),
+    else the model's (msa_config.indexer_kv_dtype; auto for MiniMax-M3). Refuses a value FLASH_MSA does not
+    serve, naming the option."""
+    option = vllm_config.attention_config.indexer_kv_dtype
+    if option == "auto":
+        return msa.indexer_kv_dtype
+    if option not in SERVED_INDEXER_KV_DTYPES:
+        raise MSAConfigError(
+            f"--attention-config indexer_kv_dtype {option!r} is not served: FLASH_MSA keeps index keys as one of "
+            f"{list(SERVED_INDEXER_KV_DTYPES)}"
+        )
+    return option
+
+
+def index_key_dtype(indexer_kv_dtype: str, kv_cache_dtype: torch.dtype) -> torch.dtype:
+    """The index-key cache's dtype for an indexer_kv_dtype value: auto gives the K/V cache's; Fp8IndexKeyCache.dtype
+    stands for an FP8 cache (e4m3 pages with per-token scales)."""
+    return kv_cache_dtype if indexer_kv_dtype == "auto" else INDEX_KEY_DTYPES[indexer_kv_dtype]
+
+
+def served_index_key_dtype(vllm_config: "VllmConfig", msa: MSAModelConfig) -> torch.dtype:
+    """The dtype of this model's index-key caches (served_indexer_kv_dtype against its K/V cache's dtype)."""
+    kv_cache_dtype = compat.cache_torch_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config)
+    return index_key_dtype(served_indexer_kv_dtype(vllm_config, msa), kv_cache_dtype)
+
+
 def flash_msa_selected(vllm_config: "VllmConfig") -> bool:
     """Whether `--attention-backend FLASH_MSA` was given."""
     return getattr(vllm_config.attention_config.backend, "name", None) == "FLASH_MSA"
@@ -235,8 +281,10 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
         )
     if cache.cache_dtype not in SERVED_CACHE_DTYPES:
         raise MSAConfigError(
-            f"FLASH_MSA keeps K/V and index keys in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not "
-            f"served; leave it out (or use one of {list(SERVED_CACHE_DTYPES)})"
+            f"FLASH_MSA keeps K/V in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not served; leave it "
+            f"out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
+            '\'{"indexer_kv_dtype": "fp8"}\''
         )
+    served_indexer_kv_dtype(vllm_config, msa)
     cache.block_size = msa.block_size
     cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it

@@ -1,12 +1,12 @@
 """MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
-layer) and its index-key side cache, and runs its MSAImpl (backend.py) behind one opaque custom op
-(`torch.ops.vllm_msa.msa_attention`), so torch.compile traces the model around it (and vLLM
-splits its piecewise CUDA graphs there; breakable graphs break there). Each call runs the impl's
-three stages (cache writes, block selection, sparse attention) inside a step of the observer
-(observer.py), which turns the selections and stage times into the sparse-layer metrics and the
-selection log.
+layer) and its index-key side cache (in the format indexer_kv_dtype names: config.py), and runs its
+MSAImpl (backend.py) behind one opaque custom op (`torch.ops.vllm_msa.msa_attention`), so
+torch.compile traces the model around it (and vLLM splits its piecewise CUDA graphs there; breakable
+graphs break there). Each call runs the impl's three stages (cache writes, block selection, sparse
+attention) inside a step of the observer (observer.py), which turns the selections and stage times
+into the sparse-layer metrics and the selection log.
 """
 
 import torch
@@ -25,8 +25,16 @@ from vllm_msa.observer import OBSERVER
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
-    def __init__(self, layout: RankLayout, scale: float, cache_config: CacheConfig | None, prefix: str) -> None:
-        """layout: this tensor-parallel rank's part of the layer (MSAModelConfig.rank_layout)."""
+    def __init__(
+        self,
+        layout: RankLayout,
+        scale: float,
+        cache_config: CacheConfig | None,
+        prefix: str,
+        index_key_dtype: torch.dtype,
+    ) -> None:
+        """layout: this tensor-parallel rank's part of the layer (MSAModelConfig.rank_layout); index_key_dtype: its
+        index-key cache's (config.served_index_key_dtype; Fp8IndexKeyCache.dtype for FP8)."""
         super().__init__()
         vllm_config = compat.current_vllm_config()
         shape = layout.shape
@@ -34,9 +42,9 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         self.shape = shape
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
-        self.impl = MSAImpl(shape, scale)
+        self.impl = MSAImpl(shape, scale, index_key_dtype)
         self.index_key_cache = IndexKeyCache(
-            shape.num_index_key_heads, shape.index_head_dim, self.kv_cache_torch_dtype, f"{prefix}.index_key_cache"
+            shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         compat.register_attention_layer(prefix, self)

@@ -2,7 +2,8 @@
 
     python -m vllm_msa.sizing MODEL_DIR [--gpu-memory-gib 141] [--gpu-memory-utilization 0.9]
         [--tensor-parallel-size 8] [--pipeline-parallel-size 1] [--data-parallel-size 1]
-        [--enable-expert-parallel] [--weight-dtype bf16|fp8] [--contexts 131072 1048576]
+        [--enable-expert-parallel] [--weight-dtype bf16|fp8] [--indexer-kv-dtype auto|bf16|fp8]
+        [--contexts 131072 1048576]
 
 Per rank (per pipeline stage, layers as vLLM assigns them): K/V and index-key bytes per token of
 context, summed over the rank's layers from the very KV
@@ -10,7 +11,9 @@ cache specs FLASH_MSA gives vLLM (layer.kv_cache_spec, index_key_cache.index_key
 heads from MSAModelConfig.rank_layout), so it cannot drift from what vLLM allocates; the weights the
 rank holds (counted from config.json: tensor parallel splits attention and MLP/expert matrices as vLLM's
 parallel linears do, expert parallel spreads whole experts over TP x DP ranks, data parallel replicates
-the rest); and the context that fits in what is left of the memory vLLM may use. Activations, CUDA
+the rest); and the context that fits in what is left of the memory vLLM may use. K/V in bf16, index keys
+as --indexer-kv-dtype says (auto: the checkpoint's msa_config.indexer_kv_dtype, else bf16; fp8: e4m3 and a
+float32 scale per token). Activations, CUDA
 graphs and the NCCL buffers also take memory, so treat the fit as an upper bound. FlashMSAForCausalLM
 (msa_config) and MiniMax-M3 (sparse_attention_config, as vLLM reads it) checkpoints.
 """
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_msa import compat
-from vllm_msa.config import MSAModelConfig
+from vllm_msa.config import SERVED_INDEXER_KV_DTYPES, MSAModelConfig, index_key_dtype
 from vllm_msa.index_key_cache import index_key_cache_spec
 from vllm_msa.layer import kv_cache_spec
 
@@ -55,16 +58,20 @@ def load(model_dir: Path) -> tuple["PretrainedConfig", MSAModelConfig, bool]:
     return text, MSAModelConfig.from_minimax_m3(text), True
 
 
-def cache_bytes_per_token(text: "PretrainedConfig", msa: MSAModelConfig, layers: range, tp: int) -> tuple[int, int]:
-    """(K/V, index keys) bytes per context token of one rank holding these layers (its TP rank 0)."""
+def cache_bytes_per_token(
+    text: "PretrainedConfig", msa: MSAModelConfig, layers: range, tp: int, indexer_kv_dtype: str = "auto"
+) -> tuple[int, int]:
+    """(K/V, index keys) bytes per context token of one rank holding these layers (its TP rank 0); indexer_kv_dtype
+    auto: the checkpoint's."""
     dtype = torch.bfloat16
+    keys = index_key_dtype(msa.indexer_kv_dtype if indexer_kv_dtype == "auto" else indexer_kv_dtype, dtype)
     layout = msa.rank_layout(text, tp, 0)
     shape = layout.shape
     kv = index_keys = 0
     for layer in layers:
         kv += kv_cache_spec(shape, dtype).page_size_bytes // shape.block_size
         if msa.is_sparse(layer):
-            spec = index_key_cache_spec(shape.num_index_key_heads, shape.index_head_dim, shape.block_size, dtype)
+            spec = index_key_cache_spec(shape.num_index_key_heads, shape.index_head_dim, shape.block_size, keys)
             index_keys += spec.page_size_bytes // shape.block_size
     return kv, index_keys
 
@@ -115,14 +122,22 @@ def weight_bytes(
 
 
 def size(
-    model_dir: Path, layout: Layout, gpu_gib: float, utilization: float, weight_dtype: str, contexts: list[int]
+    model_dir: Path,
+    layout: Layout,
+    gpu_gib: float,
+    utilization: float,
+    weight_dtype: str,
+    contexts: list[int],
+    indexer_kv_dtype: str = "auto",
 ) -> str:
     text, msa, m3 = load(model_dir)
     msa.rank_layout(text, layout.tp, 0)  # refuses a split FLASH_MSA cannot serve, naming the sizes
     per = {"bf16": 2, "fp8": 1}[weight_dtype]
+    keys = msa.indexer_kv_dtype if indexer_kv_dtype == "auto" else indexer_kv_dtype
     lines = [
         f"{model_dir.name}: {text.num_hidden_layers} layers ({len(msa.sparse_layers(text.num_hidden_layers))} MSA), "
-        f"{layout.describe()}, {weight_dtype} weights, bf16 caches, {gpu_gib:g} GiB x {utilization:g}",
+        f"{layout.describe()}, {weight_dtype} weights, bf16 K/V, {'bf16' if keys == 'auto' else keys} index keys, "
+        f"{gpu_gib:g} GiB x {utilization:g}",
         f"heads {msa.rank_layout(text, layout.tp, 0).describe(layout.tp)}",
         "| stage | layers | K/V B/token | index keys B/token | weights GiB | cache GiB | tokens that fit | "
         + " | ".join(f"sequences of {c}" for c in contexts)
@@ -130,7 +145,7 @@ def size(
         "|---" * (6 + len(contexts)) + "|---|",
     ]
     for stage, layers in enumerate(compat.pipeline_layers(text.num_hidden_layers, layout.pp)):
-        kv, index_keys = cache_bytes_per_token(text, msa, layers, layout.tp)
+        kv, index_keys = cache_bytes_per_token(text, msa, layers, layout.tp, keys)
         weights = weight_bytes(text, msa, layers, layout, m3, per, stage == 0, stage == layout.pp - 1)
         cache = gpu_gib * GIB * utilization - weights
         tokens = max(0, int(cache // (kv + index_keys)))
@@ -157,6 +172,7 @@ def main() -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--indexer-kv-dtype", choices=SERVED_INDEXER_KV_DTYPES, default="auto")
     parser.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
     args = parser.parse_args()
     if min(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size) < 1:
@@ -167,7 +183,15 @@ def main() -> None:
         args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, args.enable_expert_parallel
     )
     print(
-        size(args.model_dir, layout, args.gpu_memory_gib, args.gpu_memory_utilization, args.weight_dtype, args.contexts)
+        size(
+            args.model_dir,
+            layout,
+            args.gpu_memory_gib,
+            args.gpu_memory_utilization,
+            args.weight_dtype,
+            args.contexts,
+            args.indexer_kv_dtype,
+        )
     )
 
 

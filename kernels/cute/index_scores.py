@@ -55,14 +55,17 @@ class IndexScoreParams:
 class IndexScoreKernel:
     def __init__(self, params: IndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
 
     @classmethod
-    def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
-        """bf16 index queries and keys, 128-token blocks, 16-byte row chunks within a warp."""
+    def can_implement(
+        cls, dtype: torch.dtype, index_key_dtype: torch.dtype, index_head_dim: int, block_size: int
+    ) -> bool:
+        """bf16 index queries and a bf16 index-key cache (not FP8), 128-token blocks, 16-byte row chunks within a
+        warp."""
         return (
-            dtype == torch.bfloat16
+            dtype == index_key_dtype == torch.bfloat16
             and block_size == 128
             and index_head_dim % 8 == 0
             and 32 % (index_head_dim // 8) == 0

@@ -70,13 +70,21 @@ class PrefillIndexScoreParams:
 class PrefillIndexScoreKernel:
     def __init__(self, params: PrefillIndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert self.can_implement(torch.bfloat16, params.index_head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
 
     @classmethod
-    def can_implement(cls, dtype: torch.dtype, index_head_dim: int, block_size: int) -> bool:
-        """bf16 index queries and keys, 128-token blocks, index head dim a multiple of 32 up to 256."""
-        return dtype == torch.bfloat16 and block_size == 128 and index_head_dim % 32 == 0 and index_head_dim <= 256
+    def can_implement(
+        cls, dtype: torch.dtype, index_key_dtype: torch.dtype, index_head_dim: int, block_size: int
+    ) -> bool:
+        """bf16 index queries and a bf16 index-key cache (not FP8), 128-token blocks, index head dim a multiple of
+        32 up to 256."""
+        return (
+            dtype == index_key_dtype == torch.bfloat16
+            and block_size == 128
+            and index_head_dim % 32 == 0
+            and index_head_dim <= 256
+        )
 
     @staticmethod
     def fake_arguments(params: PrefillIndexScoreParams) -> tuple:

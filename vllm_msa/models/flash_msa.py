@@ -24,7 +24,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_msa import compat
 from vllm_msa.backend import log_msa_layers
-from vllm_msa.config import MSAModelConfig
+from vllm_msa.config import MSAModelConfig, served_index_key_dtype
 from vllm_msa.layer import MSAAttention
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ class FlashMSAAttention(nn.Module):
         rope = getattr(config, "rope_parameters", None)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
-        self.attn = MSAAttention(layout, d**-0.5, cache_config, prefix=f"{prefix}.attn")
+        index_key_dtype = served_index_key_dtype(compat.current_vllm_config(), msa)
+        self.attn = MSAAttention(layout, d**-0.5, cache_config, f"{prefix}.attn", index_key_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

@@ -24,7 +24,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from vllm_msa import compat
 from vllm_msa.backend import log_msa_layers
-from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected
+from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected, served_index_key_dtype
 from vllm_msa.layer import MSAAttention
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             max_position=config.max_position_embeddings,
             rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
-        self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, prefix=f"{prefix}.attn")
+        index_key_dtype = served_index_key_dtype(compat.current_vllm_config(), msa)  # vLLM's M3 option
+        self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
