@@ -148,15 +148,6 @@ def uses_cute_index_scores(
     return steps.index_scores is not reference.index_block_scores
 
 
-def uses_cute_topk(scores: torch.Tensor) -> bool:
-    """Whether the CuTeDSL kernel selects the top-k blocks from such scores."""
-    if not _on_hopper(scores.device):
-        return False
-    from msa_kernels.cute import topk_blocks
-
-    return topk_blocks.TopkBlocksKernel.can_implement(scores.dtype)
-
-
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
     return _steps(q.device, q.dtype, q.dtype, shape, phase).attention is not reference.sparse_attention
