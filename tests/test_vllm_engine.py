@@ -373,6 +373,9 @@ def test_ngram_verification_replays_full_cuda_graphs_and_keeps_the_greedy_tokens
     from serve.build_demo_model import PRESETS, build_demo_model
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships a function to the worker
+    # The skipif's torch.cuda.is_available() poisons forked children for CUDA without initialising CUDA, so
+    # vLLM would fork its engine core (seen on the H200: "Cannot re-initialize CUDA in forked subprocess").
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     model = build_demo_model(tmp_path / "m3-attention-demo", **PRESETS["m3-attention"])
     plain, plain_graphs, _ = greedy_with_cuda_graphs(model, repetitive_prompts, logprobs=2, **PLAIN)
     spec, spec_graphs, metrics = greedy_with_cuda_graphs(model, repetitive_prompts, **PLAIN, speculative_config=NGRAM)
