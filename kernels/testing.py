@@ -13,6 +13,22 @@ from msa_kernels import reference
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 
+def small_shape(**overrides) -> MSAShape:
+    """A small MSA layer shape for CPU tests (16-token blocks, top-3, 8 query heads in 2 KV groups), with
+    any field replaced."""
+    base = dict(
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        num_index_heads=2,
+        num_index_key_heads=1,
+        index_head_dim=8,
+        topk_blocks=3,
+        block_size=16,
+    )
+    return MSAShape(**(base | overrides))
+
+
 @dataclass
 class PagedCase:
     shape: MSAShape

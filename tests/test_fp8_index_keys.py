@@ -19,7 +19,7 @@ from msa_kernels.fp8_index_keys import (
 )
 from msa_kernels.ops import msa_attention
 from msa_kernels.shapes import MSAShape
-from msa_kernels.testing import make_case
+from msa_kernels.testing import make_case, small_shape
 from tests.naive_msa import naive_msa
 
 E4M3_HALF_ULP = 2.0**-4  # 3 mantissa bits: rounding error <= 2^-4 of the value, for normal values
@@ -73,18 +73,9 @@ def test_pages_hold_the_values_then_the_scales_at_vllms_indexer_key_offsets():
         Fp8IndexKeyCache.from_pages(raw[:, :-4], block_size, hki, dp)
 
 
-def _shape(**kw) -> MSAShape:
-    base = dict(
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        num_index_heads=4,
-        num_index_key_heads=2,
-        index_head_dim=32,
-        topk_blocks=3,
-        block_size=16,
-    )
-    return MSAShape(**(base | kw))
+def _shape(**overrides) -> MSAShape:
+    """kernels/testing.small_shape with 2 index-key heads of 2 index heads each and 32-wide index keys."""
+    return small_shape(**({"num_index_heads": 4, "num_index_key_heads": 2, "index_head_dim": 32} | overrides))
 
 
 @pytest.mark.parametrize("q_lens, seq_lens", [([1, 1, 1], [37, 80, 129]), ([1, 45, 17], [96, 45, 50])])

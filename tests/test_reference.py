@@ -9,24 +9,9 @@ import torch
 from msa_kernels import ops
 from msa_kernels.ops import msa_attention
 from msa_kernels.reference import index_block_scores, sparse_attention, topk_blocks, write_paged
-from msa_kernels.shapes import MSAShape, PagedBatch
-from msa_kernels.testing import make_case
+from msa_kernels.shapes import PagedBatch
+from msa_kernels.testing import make_case, small_shape
 from tests.naive_msa import naive_msa
-
-
-def _shape(**kw) -> MSAShape:
-    base = dict(
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        num_index_heads=2,
-        num_index_key_heads=1,
-        index_head_dim=8,
-        topk_blocks=3,
-        block_size=16,
-    )
-    return MSAShape(**(base | kw))
-
 
 # (q_lens, seq_lens): decode, prefill, chunked prefill, ragged mixes, lengths off the block grid,
 # fewer blocks than k, a request with no new tokens.
@@ -38,11 +23,11 @@ BATCHES = {
     "fewer_blocks_than_k": ([5, 1], [20, 9]),
 }
 SHAPES = {
-    "gqa": _shape(),
-    "index_heads_gt_kv": _shape(num_index_heads=4),
-    "index_key_heads_2": _shape(num_index_heads=4, num_index_key_heads=2),
-    "init_and_two_local": _shape(topk_blocks=4, local_blocks=2, init_blocks=1),
-    "mha_one_index_head_per_query": _shape(num_q_heads=4, num_kv_heads=4, num_index_heads=4, topk_blocks=2),
+    "gqa": small_shape(),
+    "index_heads_gt_kv": small_shape(num_index_heads=4),
+    "index_key_heads_2": small_shape(num_index_heads=4, num_index_key_heads=2),
+    "init_and_two_local": small_shape(topk_blocks=4, local_blocks=2, init_blocks=1),
+    "mha_one_index_head_per_query": small_shape(num_q_heads=4, num_kv_heads=4, num_index_heads=4, topk_blocks=2),
 }
 
 
@@ -75,7 +60,7 @@ def test_reference_matches_token_by_token_spec(shape_name, batch_name):
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_topk_covering_all_blocks_is_dense_attention(block_size):
     q_lens, seq_lens = [1, 300, 77], [1000, 300, 513]
-    shape = _shape(block_size=block_size, topk_blocks=-(-max(seq_lens) // block_size), num_index_heads=4)
+    shape = small_shape(block_size=block_size, topk_blocks=-(-max(seq_lens) // block_size), num_index_heads=4)
     case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=block_size)
     got, selected = msa_attention(
         case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
@@ -91,7 +76,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
 
 
 def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
-    shape = _shape(block_size=16, topk_blocks=2)
+    shape = small_shape(block_size=16, topk_blocks=2)
     case = make_case(shape, [1], [200], dtype=torch.float64, seed=3)
     got, selected = msa_attention(
         case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
@@ -107,7 +92,7 @@ def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
 
 
 def test_selection_is_sorted_and_forces_local_blocks():
-    shape = _shape(block_size=16, topk_blocks=4, local_blocks=2, init_blocks=1)
+    shape = small_shape(block_size=16, topk_blocks=4, local_blocks=2, init_blocks=1)
     case = make_case(shape, [3, 90], [250, 90], seed=5)
     scores = index_block_scores(case.index_q, case.index_key_cache, case.batch, shape)
     positions = case.batch.positions
@@ -127,7 +112,7 @@ def test_selection_is_sorted_and_forces_local_blocks():
 
 
 def test_float32_matches_float64_within_tolerance():
-    shape = _shape(block_size=128, topk_blocks=2, num_index_heads=4)
+    shape = small_shape(block_size=128, topk_blocks=2, num_index_heads=4)
     case = make_case(shape, [1, 40], [700, 300], dtype=torch.float64, seed=11)
     want, sel64 = msa_attention(
         case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
@@ -153,9 +138,9 @@ def test_write_paged_skips_padding_slots_and_handles_strided_views():
 
 def test_invalid_shapes_are_rejected_with_the_reason():
     with pytest.raises(ValueError, match="num_index_heads 3 must be a multiple of num_kv_heads 2"):
-        _shape(num_index_heads=3)
+        small_shape(num_index_heads=3)
     with pytest.raises(ValueError, match="topk_blocks 1 < local_blocks 1 \\+ init_blocks 1"):
-        _shape(topk_blocks=1, init_blocks=1)
+        small_shape(topk_blocks=1, init_blocks=1)
 
 
 def test_paged_batch_positions():
@@ -189,7 +174,7 @@ def test_request_tiles_cover_each_request_in_runs_of_consecutive_tokens():
 
 def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     """A CUDA graph replays on vLLM's padded batch: 2 real requests, 2 padding ones (seq_len 0)."""
-    shape = _shape()
+    shape = small_shape()
     batch = PagedBatch(
         query_start_loc=torch.tensor([0, 1, 2, 2, 2]),
         seq_lens=torch.tensor([300, 129, 0, 0]),
@@ -203,7 +188,7 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
 
 
 def test_topk_blocks_takes_the_lower_block_among_equal_scores():
-    shape = _shape(topk_blocks=3, init_blocks=0, local_blocks=1)
+    shape = small_shape(topk_blocks=3, init_blocks=0, local_blocks=1)
     # token at position 100 (block 6 of 16-token blocks); blocks 1, 2, 4 and 5 tie at the top score
     scores = torch.tensor([[[0.0, 2.0, 2.0, 1.0, 2.0, 2.0, -5.0] + [float("-inf")] * 3]]).expand(1, 2, 10)
     got = topk_blocks(scores, torch.tensor([100]), shape)
@@ -300,7 +285,7 @@ def test_split_of_one_phase_or_no_tokens_gives_one_part_or_none():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately(dtype):
-    shape = _shape(num_index_heads=4, topk_blocks=2)
+    shape = small_shape(num_index_heads=4, topk_blocks=2)
     q_lens, seq_lens = [1, 1, 0, 45, 1, 17], [37, 80, 5, 45, 129, 60]
     case = make_case(shape, q_lens, seq_lens, dtype=dtype, seed=17)
     caches = (case.kv_cache, case.index_key_cache)
