@@ -124,15 +124,15 @@ def _warn_fp8_index_keys_run_the_reference() -> None:
 
 def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
     """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns
-    (None: all of them, so a one-phase batch's tensors are passed without slicing)."""
+    (None: all of them, so a batch of one phase, or a mixed one whose other part is empty as in vLLM's
+    decode-only steps, passes its tensors without slicing)."""
     if batch.phase != "mixed":
         return [(None, batch)] if batch.num_tokens else []
-    rows, first = [], 0
-    for part in batch.split():
-        if part is not None:
-            rows.append((slice(first, first + part.num_tokens), part))
-            first += part.num_tokens
-    return rows
+    parts = [part for part in batch.split() if part is not None]
+    if len(parts) == 1:
+        return [(None, parts[0])]
+    decode, prefill = parts
+    return [(slice(0, decode.num_tokens), decode), (slice(decode.num_tokens, batch.num_tokens), prefill)]
 
 
 def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
