@@ -21,13 +21,15 @@ Dp 128 (MiniMax-M3) vLLM's CUDA op writes exactly these bytes. Why this layout a
   token alone, so the bytes cached for a token do not depend on how its request was chunked, preempted
   or prefix-cached.
 
-Quantisation of a row x (a token's index key for one head, or one index query row): scale =
-max(amax(|x|), 1e-4) / 448 in float32, values = e4m3(x / scale), rounded to nearest even and saturated at
-+-448 (vLLM's op: cvt with satfinite). Index scores with FP8 index keys quantise the index queries the
-same way per (token, index head), as FP8 MMAs need both operands in e4m3; the query scale is one positive
-factor per (token, head), so it does not change which blocks rank highest (reference.index_block_scores
-is the function). Decode, whose kernel could keep bf16 queries, rounds them too: one function for both
-phases, so a token recomputed in a prefill chunk after a preemption selects what it selected in decode.
+Quantisation of a row x (a token's index key for one head, or one index query row): scale = max(amax(|x|),
+1e-4) / 448 in float32, values = e4m3(x / scale), rounded to nearest even and saturated at +-448 (vLLM's op:
+cvt with satfinite); both divisions IEEE float32 ones, on every device, so the CuTeDSL kernels
+(kernels/cute/fp8_rows.py) round bit for bit as quantize_rows does. Index scores with FP8 index keys quantise
+the index queries the same way per (token, index head), as FP8 MMAs need both operands in e4m3; the query
+scale is one positive factor per (token, head), so it does not change which blocks rank highest
+(reference.index_block_scores is the function). Decode, whose kernel could keep bf16 queries, rounds them too:
+one function for both phases, so a token recomputed in a prefill chunk after a preemption selects what it
+selected in decode.
 """
 
 from dataclasses import dataclass
@@ -43,7 +45,10 @@ SCALE_BYTES = 4  # one float32 per (token, index-key head)
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (e4m3 values [..., d], float32 scales [...]): one scale per row of d elements."""
     x = x.float()
-    scales = x.abs().amax(dim=-1).clamp(min=MIN_AMAX) / E4M3_MAX
+    amax = x.abs().amax(dim=-1).clamp(min=MIN_AMAX)
+    # A tensor divisor, not the number: torch on CUDA multiplies by a float32 reciprocal of a number divisor,
+    # which is 1 ulp off the division for many amax (the CPU divides, as the kernels do: div.rn.f32).
+    scales = amax / torch.full_like(amax, E4M3_MAX)
     values = (x / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values, scales
 

@@ -14,7 +14,8 @@ CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the nex
 else the PyTorch reference (kernels/reference.py):
 
     step              decode part                          prefill part
-    index scores      index_scores.py                      index_scores_prefill.py, index_scores.py
+    index scores      index_scores.py (bf16 or FP8 keys)   index_scores_prefill.py, index_scores.py
+                                                           (bf16 keys; FP8 keys: the reference)
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
@@ -27,8 +28,13 @@ first request with more than one new token, unless the caller split them. A batc
 is. A decode part never syncs the host and has no data-dependent shapes: a full-graph decode step
 (single-token or a uniform verification batch) can be captured.
 
-An FP8 index-key cache (msa_kernels.fp8_index_keys) has no CuTeDSL kernel yet: its index scores run the
-reference on every device (on a Hopper GPU with a one-time warning), never a kernel that reads bf16.
+An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL
+kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference)
+and scored, in a decode part, by index_scores.py reading the FP8 pages; a prefill part's FP8 index scores
+run the reference (no FP8 warpgroup-MMA prefill kernel yet; a one-time warning says so). Both compute the
+reference's function (the index queries rounded to e4m3 per token and index head), so a token selects the
+same blocks in either phase up to float32 summation order. With both kernels an FP8 decode step, like a
+bf16 one, can be captured in a full CUDA graph (graph_capturable).
 """
 
 import functools
@@ -95,12 +101,13 @@ def _steps(
     from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
 
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
+    fp8_prefill = phase == "prefill" and index_key_dtype == Fp8IndexKeyCache.dtype
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
-    elif index_scores.IndexScoreKernel.can_implement(*served):
+    elif not fp8_prefill and index_scores.IndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores.index_block_scores)
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
-        _warn_fp8_index_keys_run_the_reference()
+        _warn_fp8_index_keys_run_the_reference(phase)
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
         steps = steps._replace(topk=topk_blocks.topk_blocks)
@@ -115,11 +122,44 @@ def _steps(
 
 
 @functools.cache
-def _warn_fp8_index_keys_run_the_reference() -> None:
+def _warn_fp8_index_keys_run_the_reference(phase: Phase) -> None:
+    if phase == "prefill":
+        logger.warning(
+            "FLASH_MSA: indexer_kv_dtype fp8: the index scores of prefill tokens run the PyTorch path on this GPU "
+            "(no CuTeDSL FP8 prefill kernel yet: the same FP8 scores, slower prefill); decode tokens' run the "
+            "CuTeDSL decode kernel where it serves the shape"
+        )
+        return
     logger.warning(
-        "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL index-score kernels do not read FP8 index keys yet, so the "
-        "index scores run the PyTorch path on this GPU (the same FP8 scores, far slower; no full CUDA graphs)"
+        "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL decode index-score kernel does not serve this index-key "
+        "shape in FP8, so the index scores run the PyTorch path on this GPU (the same FP8 scores, far slower; no "
+        "full CUDA graphs)"
     )
+
+
+@functools.cache
+def _index_key_writer(device: torch.device, dtype: torch.dtype, num_index_key_heads: int, index_head_dim: int):
+    """What writes index keys of this dtype into an FP8 index-key cache on this device: the CuTeDSL kernel on
+    Hopper where it serves the shape, else the reference (which syncs the host)."""
+    if _on_hopper(device):
+        from msa_kernels.cute import fp8_index_key_write
+
+        if fp8_index_key_write.Fp8IndexKeyWriteKernel.can_implement(dtype, index_head_dim):
+            return fp8_index_key_write.write_index_keys
+    return reference.write_index_keys
+
+
+def write_index_keys(
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
+) -> None:
+    """Store per-token index keys [>= T, Hki, Dp] at the flat slots slot_mapping [T] (< 0: skipped), as
+    reference.write_index_keys does: an FP8 cache on Hopper through the CuTeDSL kernel (quantised on the device,
+    no host sync), anything else through the reference."""
+    if isinstance(index_key_cache, Fp8IndexKeyCache):
+        _, _, hki, dp = index_key_cache.values.shape
+        _index_key_writer(index_keys.device, index_keys.dtype, hki, dp)(index_key_cache, slot_mapping, index_keys)
+        return
+    reference.write_index_keys(index_key_cache, slot_mapping, index_keys)
 
 
 def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
@@ -157,12 +197,31 @@ def describe(
     device: torch.device, dtype: torch.dtype, shape: MSAShape, index_key_dtype: torch.dtype | None = None
 ) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
-    decode part does); index_key_dtype as for uses_cute_index_scores."""
-    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
-    index = "PyTorch" if steps.index_scores is reference.index_block_scores else "CuTeDSL"
-    topk = "PyTorch" if steps.topk is reference.topk_blocks else "CuTeDSL"
-    attention = "PyTorch" if steps.attention is reference.sparse_attention else "CuTeDSL"
-    return f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
+    decode part does, except FP8 index scores, which the phases name apart); index_key_dtype as for
+    uses_cute_index_scores. With FP8 index keys it also names what writes them."""
+    device, index_key_dtype = torch.device(device), index_key_dtype or dtype
+    steps = _steps(device, dtype, index_key_dtype, shape, "decode")
+    index = _implementation(steps.index_scores is not reference.index_block_scores)
+    prefill_steps = _steps(device, dtype, index_key_dtype, shape, "prefill")
+    prefill_index = _implementation(prefill_steps.index_scores is not reference.index_block_scores)
+    if prefill_index != index:
+        index = f"{index} (decode), {prefill_index} (prefill)"
+    topk = _implementation(steps.topk is not reference.topk_blocks)
+    attention = _implementation(steps.attention is not reference.sparse_attention)
+    described = f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
+    if index_key_dtype == Fp8IndexKeyCache.dtype:
+        described += f", FP8 index-key writes: {_implementation(_writes_on_device(device, dtype, shape))}"
+    return described
+
+
+def _implementation(cute: bool) -> str:
+    return "CuTeDSL" if cute else "PyTorch"
+
+
+def _writes_on_device(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> bool:
+    """Whether the CuTeDSL kernel writes this layer's index keys into an FP8 index-key cache."""
+    writer = _index_key_writer(device, dtype, shape.num_index_key_heads, shape.index_head_dim)
+    return writer is not reference.write_index_keys
 
 
 def graph_capturable(
@@ -174,10 +233,16 @@ def graph_capturable(
 ) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
-    loop over requests on the host. index_key_dtype as for uses_cute_index_scores."""
-    steps = _steps(torch.device(device), dtype, index_key_dtype or dtype, shape, "decode")
-    served = steps.attention is not reference.sparse_attention
-    return served and (not index_scores or steps.index_scores is not reference.index_block_scores)
+    loop over requests on the host, and the reference's FP8 index-key write indexes by a boolean mask
+    (vLLM's cache op writes bf16 index keys). index_key_dtype as for uses_cute_index_scores."""
+    device, index_key_dtype = torch.device(device), index_key_dtype or dtype
+    steps = _steps(device, dtype, index_key_dtype, shape, "decode")
+    if steps.attention is reference.sparse_attention:
+        return False
+    if not index_scores:
+        return True
+    writes = index_key_dtype != Fp8IndexKeyCache.dtype or _writes_on_device(device, dtype, shape)
+    return writes and steps.index_scores is not reference.index_block_scores
 
 
 def index_block_scores(

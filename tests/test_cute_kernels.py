@@ -7,13 +7,22 @@ import torch
 
 from msa_kernels import reference
 from msa_kernels.bench.problems import M3_SHAPE
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes, quantize_rows
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
+from msa_kernels.cute import (
+    fp8_index_key_write,
+    index_scores,
+    index_scores_prefill,
+    sparse_attn,
+    sparse_attn_prefill,
+    topk_blocks,
+)
 from msa_kernels.cute.combine import CombineKernel, CombineParams
+from msa_kernels.cute.fp8_index_key_write import Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.runtime import compiled_kernel
@@ -46,6 +55,40 @@ def compiles_and_caches(kernel_cls, params, cache_dir):
 def test_index_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
     compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp), sm90a)
     compiles_and_caches(PrefillIndexScoreKernel, PrefillIndexScoreParams(hi, hki, dp), sm90a)
+
+
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_fp8_index_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
+    compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp, fp8=True), sm90a)
+
+
+FP8_WRITE_PARAMS = [(1, 128), (2, 64), (4, 32), (1, 256)]  # (Hki, Dp)
+
+
+@pytest.mark.parametrize("hki, dp", FP8_WRITE_PARAMS)
+def test_fp8_index_key_write_kernel_compiles_for_sm90a(hki, dp, sm90a):
+    compiles_and_caches(Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams(hki, dp), sm90a)
+
+
+@pytest.mark.parametrize(
+    "kernel_cls, params",
+    [
+        (IndexScoreKernel, IndexScoreParams(4, 1, 128, fp8=True)),
+        (Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams(1, 128)),
+    ],
+    ids=["index_scores", "index_key_write"],
+)
+def test_fp8_kernels_round_as_the_reference_in_their_ptx(kernel_cls, params, sm90a):
+    """What makes the kernels' e4m3 bytes the reference's (kernels/cute/fp8_rows.py): IEEE divisions, never an
+    approximate one, and one round-to-nearest-even saturating cvt from float32, never through f16."""
+    import cutlass.cute as cute
+
+    compiled = cute.compile(
+        kernel_cls(params), *kernel_cls.fake_arguments(params), options=f"--keep-ptx --dump-dir={sm90a}"
+    )
+    ptx = compiled.__ptx__
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    assert "div.approx" not in ptx and "div.full" not in ptx and "e4m3x2.f16x2" not in ptx
 
 
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
@@ -151,6 +194,141 @@ def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
     # same top-k selection except at exact ties (the kernel's fp32 sums may tie or split differently)
     positions = case.batch.positions
     assert torch.equal(reference.topk_blocks(got, positions, shape), reference.topk_blocks(want, positions, shape))
+
+
+def fp8_pages(index_key_cache: torch.Tensor, page_padding: int = 16) -> Fp8IndexKeyCache:
+    """index_key_cache [pages, B, Hki, Dp] quantised by the reference into FP8 pages as vLLM binds them (one uint8
+    row per page, values then scales), each page followed by page_padding unused bytes (a page stride larger
+    than the page, which the kernels must follow)."""
+    num_pages, block_size, hki, dp = index_key_cache.shape
+    size = page_bytes(block_size, hki, dp)
+    raw = torch.zeros(num_pages, size + page_padding, dtype=torch.uint8, device=index_key_cache.device)
+    cache = Fp8IndexKeyCache.from_pages(raw[:, :size], block_size, hki, dp)
+    values, scales = quantize_rows(index_key_cache)
+    cache.values.copy_(values)
+    cache.scales.copy_(scales)
+    return cache
+
+
+def assert_selects_as(got_scores, want_scores, positions, shape, tol):
+    """got_scores' top-k blocks are want_scores', except in rows where want_scores' k-th and (k+1)-th best
+    ranked blocks are within tol (float32 summation order may swap those)."""
+    got = reference.topk_blocks(got_scores, positions, shape)
+    want = reference.topk_blocks(want_scores, positions, shape)
+    k, max_blocks = shape.topk_blocks, want_scores.shape[-1]
+    differ = (got != want).any(-1)
+    if max_blocks <= k:
+        assert not differ.any()
+        return
+    block = torch.arange(max_blocks, device=want_scores.device)[None, None, :]
+    query_block = (positions // shape.block_size).long()[:, None, None]
+    forced = (block <= query_block) & ((block > query_block - shape.local_blocks) | (block < shape.init_blocks))
+    top = want_scores.double().masked_fill(forced, float("inf")).topk(k + 1, dim=-1).values
+    near_tie = (top[..., k - 1] - top[..., k]).abs() <= tol  # inf - inf (nan): no tie
+    assert not (differ & ~near_tie).any(), differ.nonzero()[:8].tolist()
+
+
+# Decode batches, FP8 index keys: contexts off the 128 grid, 136K, fewer blocks than k, a verification batch.
+FP8_DECODE_CASES = {
+    "decode_ragged": ([1, 1, 1, 1], [1, 129, 4000, 8191]),
+    "decode_long": ([1, 1], [131072 + 5000, 70001]),
+    "decode_fewer_blocks_than_k": ([1, 1, 1], [5, 300, 1500]),
+    "verification": ([4, 4, 4], [131, 2000, 9000]),
+}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", FP8_DECODE_CASES)
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_fp8_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
+    """The decode kernel on FP8 pages (NaN in every slot no request owns, pages strided) against the reference's
+    function in float64: the same e4m3 queries and keys (both round as quantize_rows does), so only the
+    kernel's float32 sums differ, far below an e4m3 step of one query element (a rounding difference)."""
+    shape = MSAShape(
+        num_q_heads=hi * 2,
+        num_kv_heads=1,
+        head_dim=64,
+        num_index_heads=hi,
+        num_index_key_heads=hki,
+        index_head_dim=dp,
+        topk_blocks=16,
+    )
+    q_lens, seq_lens = FP8_DECODE_CASES[case_name]
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 1)
+    cache = fp8_pages(case.index_key_cache)
+    got = index_scores.index_block_scores(case.index_q, cache, case.batch, shape)
+    q8, q_scales = quantize_rows(case.index_q)
+    exact_q = q8.double() * q_scales.double()[..., None]
+    exact_keys = cache.values.double() * cache.scales.double()[..., None]
+    want = reference.index_block_scores(exact_q, exact_keys, case.batch, shape)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert (got[~finite] == float("-inf")).all()
+    # float32 summation order: ~1e-5 here; one query element an e4m3 step off would move a score by ~1e-1
+    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-4, atol=1e-3)
+    # the reference on the GPU (float32, the queries rounded by quantize_rows there) agrees as closely
+    reference_scores = reference.index_block_scores(case.index_q, cache, case.batch, shape)
+    torch.testing.assert_close(got[finite], reference_scores[finite], rtol=1e-4, atol=1e-3)
+    assert_selects_as(got, want, case.batch.positions, shape, tol=1e-3)
+
+
+def random_index_keys(tokens: int, hki: int, dp: int, generator: torch.Generator) -> torch.Tensor:
+    """bf16 index keys [tokens, Hki, Dp] with the rows quantisation must get right: magnitudes from 1e-7 (below
+    the amax floor) to 1e4, a zero row, an outlier that sends its row's other elements to e4m3 subnormals, and
+    exact e4m3 rounding ties (amax 448: scale 1, x / scale = x) that must round to even."""
+    magnitudes = torch.logspace(-7, 4, tokens * hki, device="cuda")
+    magnitudes = magnitudes[torch.randperm(tokens * hki, device="cuda", generator=generator)]
+    keys = torch.randn(tokens * hki, dp, device="cuda", generator=generator) * magnitudes[:, None]
+    keys[0] = 0
+    keys[1, 3] = 1000 * keys[1].abs().max()
+    ties = torch.tensor(
+        [1.0625, 1.1875, -1.0625, 3.375, 0.0068359375, 448.0], device="cuda"
+    )  # ties (7/1024: subnormal)
+    keys[2] = ties.repeat(-(-dp // len(ties)))[:dp]
+    keys[2, -1] = 448.0
+    return keys.to(torch.bfloat16).view(tokens, hki, dp)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("hki, dp", FP8_WRITE_PARAMS)
+def test_fp8_index_key_write_kernel_stores_the_reference_quantisers_bytes_also_replayed_from_a_cuda_graph(hki, dp):
+    """Every byte of the pages equals the reference's (quantize_rows on the GPU and on the CPU: the same IEEE
+    float32 operations, so no ulp is allowed): values and scales at the slots, padding slots (-1) and rows past
+    len(slot_mapping) skipped, the rest of the pages untouched. Then the same write captured in a CUDA graph,
+    replayed on new keys and slots."""
+    block_size, num_pages, tokens = 128, 6, 40
+    generator = torch.Generator(device="cuda").manual_seed(hki * 1000 + dp)
+    raw = torch.randint(0, 256, (num_pages, page_bytes(block_size, hki, dp) + 16), dtype=torch.uint8, device="cuda")
+    want_raw = raw.clone()
+
+    def cache_of(pages):
+        return Fp8IndexKeyCache.from_pages(pages[:, : page_bytes(block_size, hki, dp)], block_size, hki, dp)
+
+    def random_slots():
+        slots = torch.randperm(num_pages * block_size, device="cuda", generator=generator)[:tokens]
+        return slots.masked_fill(torch.rand(tokens, device="cuda", generator=generator) < 0.2, -1)
+
+    keys = random_index_keys(tokens + 3, hki, dp, generator)  # 3 rows past the slots: not written
+    slots = random_slots()
+    fp8_index_key_write.write_index_keys(cache_of(raw), slots, keys)
+    reference.write_index_keys(cache_of(want_raw), slots, keys)
+    torch.cuda.synchronize()
+    assert torch.equal(raw, want_raw)
+    on_cpu = raw.cpu().clone()
+    reference.write_index_keys(cache_of(on_cpu), slots.cpu(), keys.cpu())
+    assert torch.equal(raw.cpu(), on_cpu)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_index_key_write.write_index_keys(cache_of(raw), slots, keys)
+    keys.copy_(random_index_keys(tokens + 3, hki, dp, generator))
+    slots.copy_(random_slots())
+    graph.replay()
+    reference.write_index_keys(cache_of(want_raw), slots, keys)
+    torch.cuda.synchronize()
+    assert torch.equal(raw, want_raw)
 
 
 # Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K
@@ -281,12 +459,16 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("index_keys", ["bf16", "fp8"])
 @pytest.mark.parametrize("query_len", [1, 4], ids=["decode", "verification"])
-def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference(query_len):
+def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_reference(query_len, index_keys):
     """What vLLM's full decode graphs do: capture the layer on persistent batch buffers once, then
     replay it after writing a smaller batch into them (padding requests: seq_len 0, no tokens). Each
     request brings query_len tokens: one, or under speculative decoding 1 + 3 drafted tokens, which
-    vLLM's builder counts as decodes too (uniform verification batches replay full graphs)."""
+    vLLM's builder counts as decodes too (uniform verification batches replay full graphs).
+
+    fp8: FP8 index-key pages, and the graph also writes the step's index keys (ops.write_index_keys, as
+    the backend does; padding slots -1) into slots poisoned before the replay."""
     from msa_kernels import ops
     from msa_kernels.shapes import PagedBatch
 
@@ -294,19 +476,27 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     seq_lens = [20000, 130, 7, 4500, 131072 - 3]
     n, padded = len(seq_lens), 8
     case = make_case(shape, [query_len] * n, seq_lens, dtype=torch.bfloat16, device="cuda", seed=11)
+    fp8 = index_keys == "fp8"
+    index_key_cache = fp8_pages(case.index_key_cache) if fp8 else case.index_key_cache
+    assert ops.graph_capturable(case.q.device, case.q.dtype, shape, index_key_dtype=index_key_cache.dtype)
     starts = list(range(0, (padded + 1) * query_len, query_len))  # capture: 8 copies of request 0
     qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
     lens = torch.full((padded,), seq_lens[0], dtype=torch.int32, device="cuda")
     table = case.batch.block_table[:1].repeat(padded, 1).contiguous()
     q = torch.randn(padded * query_len, *case.q.shape[1:], device="cuda", dtype=torch.bfloat16)
     index_q = torch.randn(padded * query_len, *case.index_q.shape[1:], device="cuda", dtype=torch.bfloat16)
+    # the step's index keys and their slots: the capture writes no slot
+    step_keys = torch.randn(padded * query_len, *case.index_key_cache.shape[2:], device="cuda", dtype=torch.bfloat16)
+    slot_mapping = torch.full((padded * query_len,), -1, dtype=torch.int64, device="cuda")
     out = torch.empty_like(q)
 
     def layer():
         batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)  # fresh: computed in the graph
         batch.query_start_loc_cpu = starts  # the host's view, as vLLM's builder sets it
         batch.split(max_decode_query_len=query_len)  # every request a decode, as the builder splits it
-        return ops.msa_attention(q, index_q, case.kv_cache, case.index_key_cache, batch, shape, case.scale, out=out)[1]
+        if fp8:
+            ops.write_index_keys(index_key_cache, slot_mapping, step_keys)
+        return ops.msa_attention(q, index_q, case.kv_cache, index_key_cache, batch, shape, case.scale, out=out)[1]
 
     layer()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -319,9 +509,27 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     table[:n] = case.batch.block_table
     q[:tokens], index_q[:tokens] = case.q, case.index_q
     out.fill_(float("nan"))
+    if fp8:  # the query tokens' own index keys, written by the replay into poisoned slots
+        positions = case.batch.positions.long()
+        pages = case.batch.block_table[case.batch.token_requests.long(), positions // shape.block_size].long()
+        in_page = positions % shape.block_size
+        slot_mapping[:tokens] = pages * shape.block_size + in_page
+        step_keys[:tokens] = case.index_key_cache[pages, in_page]
+        want_values, want_scales = index_key_cache.values.clone(), index_key_cache.scales.clone()
+        index_key_cache.values.view(torch.uint8)[pages, in_page] = 0x7F  # e4m3 NaN
+        index_key_cache.scales[pages, in_page] = float("nan")
     graph.replay()
     torch.cuda.synchronize()
-    want_sel = case.reference_selection()
+    if fp8:
+        assert torch.equal(index_key_cache.values.view(torch.uint8), want_values.view(torch.uint8))
+        assert torch.equal(index_key_cache.scales.view(torch.int32), want_scales.view(torch.int32))
+        # The graph's selection is the eager kernels' (deterministic), which is the reference's up to near-ties.
+        got_scores = index_scores.index_block_scores(case.index_q, index_key_cache, case.batch, shape)
+        reference_scores = reference.index_block_scores(case.index_q, index_key_cache, case.batch, shape)
+        assert_selects_as(got_scores, reference_scores, case.batch.positions, shape, tol=1e-3)
+        want_sel = reference.topk_blocks(got_scores, case.batch.positions, shape)
+    else:
+        want_sel = case.reference_selection()
     assert torch.equal(selected[:tokens], want_sel)
     assert (selected[tokens:] == -1).all()
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, want_sel, shape, case.scale)

@@ -1,6 +1,6 @@
 """FP8 index keys (msa_kernels.fp8_index_keys): the quantisation's error bound, the page layout's byte offsets,
-the reference's FP8 scores against the spec token by token and against bf16 index keys, and msa_kernels.ops
-keeping FP8 caches away from the CuTeDSL kernels on a Hopper GPU."""
+the reference's FP8 scores against the spec token by token and against bf16 index keys, and what msa_kernels.ops
+runs for FP8 caches on a Hopper GPU (the CuTeDSL kernels' own checks: tests/test_cute_kernels.py)."""
 
 import logging
 
@@ -134,33 +134,67 @@ def test_fp8_scores_stay_within_the_e4m3_bound_of_bf16_scores_and_mostly_select_
 @pytest.fixture
 def on_hopper(monkeypatch):
     """msa_kernels.ops as on a Hopper GPU with CuTeDSL (the kernels' modules import without a GPU); its choices
-    are cached per process, so the cache is emptied before and after."""
+    are cached per process, so the caches are emptied before and after."""
     monkeypatch.setattr(ops, "_on_hopper", lambda device: True)
-    ops._steps.cache_clear()
-    ops._warn_fp8_index_keys_run_the_reference.cache_clear()
+    caches = (ops._steps, ops._index_key_writer, ops._warn_fp8_index_keys_run_the_reference)
+    for cache in caches:
+        cache.cache_clear()
     yield
-    ops._steps.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_fp8_index_keys_run_the_reference_on_hopper_with_one_warning_naming_it(on_hopper, caplog, phase):
+def test_fp8_index_keys_on_hopper_decode_and_writes_run_cutedsl_prefill_the_reference_with_one_warning(
+    on_hopper, caplog
+):
+    from msa_kernels.cute import fp8_index_key_write, index_scores
     from msa_kernels.cute.index_scores import IndexScoreKernel
     from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel
 
-    shape = _shape(index_head_dim=128, block_size=128)
+    shape = _shape(head_dim=64, index_head_dim=128, block_size=128)
     probe = torch.empty(0, dtype=torch.bfloat16)
     fp8 = Fp8IndexKeyCache.dtype
-    for kernel in (IndexScoreKernel, PrefillIndexScoreKernel):
-        assert kernel.can_implement(torch.bfloat16, torch.bfloat16, 128, 128)
-        assert not kernel.can_implement(torch.bfloat16, fp8, 128, 128)
-    assert ops.uses_cute_index_scores(probe, shape, phase)  # bf16 index keys: a kernel
+    assert IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
+    assert not IndexScoreKernel.can_implement(torch.bfloat16, fp8, 8, 128)  # 8 e4m3 bytes: no 16-byte load
+    assert not PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
     with caplog.at_level(logging.WARNING, logger="vllm.msa.kernels"):
-        assert ops._steps(probe.device, probe.dtype, fp8, shape, phase).index_scores is reference.index_block_scores
-        assert not ops.uses_cute_index_scores(probe, shape, phase, index_key_dtype=fp8)
-        assert not ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
-        assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8).startswith("index scores: PyTorch")
+        for _ in range(2):  # asked again: no second warning
+            decode = ops._steps(probe.device, probe.dtype, fp8, shape, "decode")
+            assert decode.index_scores is index_scores.index_block_scores
+            prefill = ops._steps(probe.device, probe.dtype, fp8, shape, "prefill")
+            assert prefill.index_scores is reference.index_block_scores
+        assert ops.uses_cute_index_scores(probe, shape, "decode", index_key_dtype=fp8)
+        assert not ops.uses_cute_index_scores(probe, shape, "prefill", index_key_dtype=fp8)
+        assert ops._index_key_writer(probe.device, probe.dtype, 2, 128) is fp8_index_key_write.write_index_keys
+        assert ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
+        assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8) == (
+            "index scores: CuTeDSL (decode), PyTorch (prefill), top-k: CuTeDSL, sparse attention: CuTeDSL, "
+            "FP8 index-key writes: CuTeDSL"
+        )
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "do not read FP8 index keys yet" in warnings[0], warnings
+    assert len(warnings) == 1 and "index scores of prefill tokens run the PyTorch path" in warnings[0], warnings
+    # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3), the write kernel does not (64 lanes of 8 bf16),
+    # so the reference writes (a host sync) and a decode step gets no full graph.
+    wide = _shape(head_dim=64, index_head_dim=512, block_size=128)
+    assert ops.uses_cute_index_scores(probe, wide, "decode", index_key_dtype=fp8)
+    assert ops._index_key_writer(probe.device, probe.dtype, 2, 512) is reference.write_index_keys
+    assert not ops.graph_capturable(probe.device, probe.dtype, wide, index_key_dtype=fp8)
+    assert ops.describe(probe.device, probe.dtype, wide, index_key_dtype=fp8).endswith("FP8 index-key writes: PyTorch")
+    # bf16 index keys: both phases' kernels, vLLM's cache op writes, no FP8 write named
+    assert ops.describe(probe.device, probe.dtype, shape).startswith("index scores: CuTeDSL, top-k")
+    assert ops.graph_capturable(probe.device, probe.dtype, shape)
+
+
+def test_ops_writes_fp8_index_keys_off_hopper_through_the_reference():
+    shape = _shape()
+    case = make_case(shape, [3], [40], seed=5)
+    keys = torch.randn(5, shape.num_index_key_heads, shape.index_head_dim)
+    slots = torch.tensor([17, -1, 3, 39])  # 4 slots for 5 rows: the last row is not written
+    cache, want = (Fp8IndexKeyCache.quantize(case.index_key_cache) for _ in range(2))
+    ops.write_index_keys(cache, slots, keys)
+    reference.write_index_keys(want, slots, keys)
+    assert torch.equal(cache.values.view(torch.uint8), want.values.view(torch.uint8))
+    assert torch.equal(cache.scales.nan_to_num(-1), want.scales.nan_to_num(-1))
 
 
 def test_agreement_benchmark_counts_sets_blocks_and_cosines():

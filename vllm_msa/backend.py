@@ -15,10 +15,11 @@ cache), so it has vLLM's base class for impls without the dense forward; MSAAtte
 builds it and runs the stages.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
-and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, device-side token
-positions, fixed-size selections), so the builder offers full graphs for uniform decode batches
-(vLLM's UNIFORM_BATCH: one new token per request, or under speculative decoding the same 1 +
-num_speculative_tokens per request); other batches run the layers eagerly between piecewise graphs.
+and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, FP8 index keys through
+the CuTeDSL write kernel, device-side token positions, fixed-size selections), so the builder offers
+full graphs for uniform decode batches (vLLM's UNIFORM_BATCH: one new token per request, or under
+speculative decoding the same 1 + num_speculative_tokens per request); other batches run the layers
+eagerly between piecewise graphs.
 
 K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block
 (vLLM binds [num_pages, 2, block_size, num_kv_heads * head_dim]; paged_kv views it).
@@ -371,8 +372,7 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim)),
     )
     probe = torch.empty(0, device=device, dtype=dtype)
-    kernel_keys = dtype if keys == Fp8IndexKeyCache.dtype else keys  # FP8 index keys: ops' own warning says so
-    kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=kernel_keys)
+    kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=keys)  # decode: FP8 prefill warns in ops
     kernels_serve = kernels_serve and ops.uses_cute_sparse_attention(probe, shape)
     if probe.is_cuda and not kernels_serve:
         logger.warning(
@@ -395,9 +395,10 @@ def write_index_keys(
     index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_key: torch.Tensor
 ) -> None:
     """Store the step's index keys [T, Hki, Dp] at flat slots (< 0: skipped), in the cache's dtype: FP8 caches and
-    CPU through the reference (quantising for FP8), other CUDA caches as write_paged does."""
+    CPU through msa_kernels.ops (FP8 on Hopper: the CuTeDSL kernel, quantising on the device without a host sync;
+    elsewhere the reference), other CUDA caches as write_paged does."""
     if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
-        reference.write_index_keys(index_key_cache, slot_mapping, index_key)
+        ops.write_index_keys(index_key_cache, slot_mapping, index_key)
         return
     index_key = index_key.to(index_key_cache.dtype)  # the cache passed as both caches: the same rows written twice
     compat.write_paged_cuda(index_key_cache, index_key_cache, slot_mapping, index_key, index_key)

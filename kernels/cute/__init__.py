@@ -5,7 +5,7 @@ the contract of the msa_kernels.reference function of its step.
 
 decode phase
   index_scores.py          IndexScoreKernel, index_block_scores: causal max-pooled index block scores,
-                           every token on its own (SIMT)
+                           every token on its own (SIMT), on bf16 or FP8 index-key pages
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
                            blocks, one token per CTA (mma.sync), split-K over the blocks
   combine.py               CombineKernel, combine_splits: merges those split-K partials
@@ -18,11 +18,14 @@ prefill phase
 both phases
   topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (threshold
                            search, one CTA per row)
+  fp8_index_key_write.py   Fp8IndexKeyWriteKernel, write_index_keys: the step's index keys quantised
+                           into FP8 index-key pages on the device (no host sync)
 shared
   runtime.py               compiled_kernel(kernel class, params): compiled once per process for TVM-FFI
                            calls with torch tensors on torch's current stream, exported object files on
                            disk across processes; SM count, output copies
   warp_mma.py              MMA fragments, online softmax rows, tile copies, swizzles
+  fp8_rows.py              e4m3 rounding of rows spread over lanes, bit for bit the reference's
   fake.py                  symbolic tensors and stream for compiling without a GPU; what a call checks
 
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with
