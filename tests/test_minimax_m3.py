@@ -474,7 +474,9 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
     # decided in bf16: vLLM's top-2 are a near tie, or vLLM itself picks differently on its own two
     # execution paths of that context (whole prefill vs cached prefix + chunk: bf16 rounding alone flips a
     # near-tied MoE routing decision there, H200 2026-12-03, results/README.md) and one of them picks
-    # FLASH_MSA's token.
+    # FLASH_MSA's token; or both of vLLM's own paths of that context pick FLASH_MSA's token, so the
+    # difference is vLLM's decode step against its own prefill of the same context (its eager decode
+    # did so at a 0.38-nat gap, H200 2026-12-04, results/README.md).
     for p, (mine, vllm_tokens) in enumerate(zip(ours["tokens"], theirs["tokens"])):
         what = f"prompt {p} ({PROMPT_LENS[p] if p < len(PROMPT_LENS) else 'shared prefix'} tokens)"
         step = first_difference(mine, vllm_tokens)
@@ -487,7 +489,8 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
         own = theirs["own_paths_at_first_difference"][str(p)]
         own_tokens = {own["whole_prefill"], own["cached_prefix_chunk"]}
         undecidable = top[0] - top[1] < NEAR_TIE or (len(own_tokens) == 2 and mine[step] in own_tokens)
-        assert undecidable, (
+        vllm_prefill_agrees = own_tokens == {mine[step]}
+        assert undecidable or vllm_prefill_agrees, (
             f"{what} step {step}: FLASH_MSA {mine} vs vLLM {vllm_tokens}; vLLM's top-2 logprobs {top} are no "
             f"tie and vLLM's own paths of that context pick {own} (FLASH_MSA: {mine[step]})"
         )
