@@ -167,13 +167,9 @@ CASES = {
 }
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_name", CASES)
-@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
-    shape = MSAShape(
+def index_score_shape(hi: int, hki: int, dp: int) -> MSAShape:
+    """The index-score tests' layer: Hi index heads over Hki index-key heads of Dp, top-16."""
+    return MSAShape(
         num_q_heads=hi * 2,
         num_kv_heads=1,
         head_dim=64,
@@ -182,6 +178,15 @@ def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
         index_head_dim=dp,
         topk_blocks=16,
     )
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
+    shape = index_score_shape(hi, hki, dp)
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
     launch = index_scores.index_block_scores if phase == "decode" else index_scores_prefill.prefill_index_block_scores
@@ -245,15 +250,7 @@ def test_fp8_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
     """The decode kernel on FP8 pages (NaN in every slot no request owns, pages strided) against the reference's
     function in float64: the same e4m3 queries and keys (both round as quantize_rows does), so only the
     kernel's float32 sums differ, far below an e4m3 step of one query element (a rounding difference)."""
-    shape = MSAShape(
-        num_q_heads=hi * 2,
-        num_kv_heads=1,
-        head_dim=64,
-        num_index_heads=hi,
-        num_index_key_heads=hki,
-        index_head_dim=dp,
-        topk_blocks=16,
-    )
+    shape = index_score_shape(hi, hki, dp)
     q_lens, seq_lens = FP8_DECODE_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 1)
     cache = fp8_pages(case.index_key_cache)
