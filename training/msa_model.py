@@ -96,8 +96,10 @@ def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> tor
 
 
 def query_chunks(num_tokens: int, elements_per_query: int):
-    """[start, end) query ranges whose tiles hold at most TILE_ELEMENTS elements."""
+    """[start, end) query ranges whose tiles hold at most TILE_ELEMENTS elements; whole 128-token multiples
+    where that fits (aligned masks)."""
     step = max(1, TILE_ELEMENTS // max(1, elements_per_query))
+    step -= step % 128 if step >= 128 else 0
     for start in range(0, num_tokens, step):
         yield start, min(num_tokens, start + step)
 

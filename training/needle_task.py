@@ -66,7 +66,9 @@ def load_tokenizer(tokenizer_dir: str | Path):
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise SystemExit(f"the pass-key task needs the 'tokenizers' package ({e}); install it or carry its wheel") from e
+        raise SystemExit(
+            f"the pass-key task needs the 'tokenizers' package ({e}); install it or carry its wheel"
+        ) from e
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a checkpoint directory with a tokenizer.json")
@@ -87,7 +89,7 @@ class PassKeyTask:
     """Pass-key prompts of exact token lengths for one tokenizer; eos_id ends every answer.
 
     The filler comes from one stream of FILLER_STREAM_TOKENS tokens of sentences drawn from FILLER_SENTENCES
-    (seed 0): a prompt takes a window of it that starts at a sentence drawn with the prompt's seed, so
+    (seed 0): a prompt takes a window of it that starts at a random sentence, so
     building a prompt costs a slice, not a draw per sentence.
     """
 
@@ -127,9 +129,9 @@ class PassKeyTask:
         """The shortest prompt: instruction, key sentence and question without filler."""
         return len(self.instruction) + len(self._key_sentence("9" * KEY_DIGITS)) + len(self.question)
 
-    def prompt(self, num_tokens: int, depth: float, key: str, seed: int) -> PassKeyPrompt:
+    def prompt(self, num_tokens: int, depth: float, key: str, rng: np.random.Generator) -> PassKeyPrompt:
         """A prompt of exactly num_tokens tokens with the key sentence at `depth` (0..1) of the filler, at the
-        sentence boundary nearest to it; the filler window is drawn with `seed`."""
+        sentence boundary nearest to it; the filler window is drawn from rng."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depth {depth} is not within [0, 1]")
         if len(key) != KEY_DIGITS or not key.isdigit():
@@ -141,7 +143,7 @@ class PassKeyTask:
         if filler_tokens > len(self.filler_stream) // 2:
             raise ValueError(f"prompts of {num_tokens} tokens exceed the filler stream ({FILLER_STREAM_TOKENS} tokens)")
         starts = self.sentence_starts
-        first = int(np.random.default_rng(seed).integers(np.searchsorted(starts, len(self.filler_stream) // 2)))
+        first = int(rng.integers(np.searchsorted(starts, len(self.filler_stream) // 2)))
         window_start = int(starts[first])
         filler = self.filler_stream[window_start : window_start + filler_tokens]
         boundaries = starts[first : np.searchsorted(starts, window_start + filler_tokens, side="right")] - window_start
@@ -150,7 +152,7 @@ class PassKeyTask:
         prompt_ids = [*self.instruction, *filler[:split].tolist(), *key_ids, *filler[split:].tolist(), *self.question]
         return PassKeyPrompt(prompt_ids, self.answer_ids(key), key, len(self.instruction) + split)
 
-    def training_sequences(self, seed: int, context: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def training_sequences(self, seed: int | list[int], context: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """`count` sequences of exactly `context` tokens, prompt + answer, and a mask of the answer tokens
         (both [count, context]): the prompt is context minus the answer's length."""
         rng = np.random.default_rng(seed)
@@ -159,7 +161,7 @@ class PassKeyTask:
         for row in range(count):
             key = random_key(rng)
             answer = self.answer_ids(key)
-            sample = self.prompt(context - len(answer), float(rng.random()), key, seed=int(rng.integers(2**63)))
+            sample = self.prompt(context - len(answer), float(rng.random()), key, rng)
             tokens[row] = sample.prompt_ids + answer
             answer_mask[row, context - len(answer) :] = True
         return tokens, answer_mask
