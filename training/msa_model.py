@@ -19,7 +19,7 @@ index head's query heads and over the block's tokens (divided by Hq / Hi, so it 
 causal blocks) and detached; the index distribution is the softmax over the causal blocks of the
 max-pooled block scores times Dp^-0.5; the loss is KL(target || index), averaged over the sequences,
 index heads and tokens past the first block (whose only causal block is their own). Its gradient
-reaches only the index projections and norms.
+reaches only the index projections and norms: the index branch reads a detached copy of its input.
 
 Memory: every [query chunk x keys] tile holds at most TILE_ELEMENTS scores; the MSA attention and the
 index scores recompute their chunks in the backward pass (activation checkpointing), so 16K-token
@@ -257,8 +257,13 @@ class Attention(nn.Module):
         k = apply_rope(self._heads(x, self.k_proj, d), rope[d]).transpose(1, 2)
         v = self._heads(x, self.v_proj, d).transpose(1, 2)
         if self.sparse and (attention == "msa" or distill):
-            index_q = apply_rope(self.index_q_norm(self._heads(x, self.index_q_proj, dp)), rope[dp]).transpose(1, 2)
-            index_k = apply_rope(self.index_k_norm(self._heads(x, self.index_k_proj, dp)), rope[dp]).transpose(1, 2)
+            index_input = x.detach()  # the distillation loss trains the index branch, not what feeds it
+            index_q = self.index_q_norm(self._heads(index_input, self.index_q_proj, dp))
+            index_k = self.index_k_norm(self._heads(index_input, self.index_k_proj, dp))
+            index_q, index_k = (
+                apply_rope(index_q, rope[dp]).transpose(1, 2),
+                apply_rope(index_k, rope[dp]).transpose(1, 2),
+            )
         if self.sparse and attention == "msa":
             out = sparse_attention(q, k, v, select_blocks(index_q, index_k, s), s)
         else:

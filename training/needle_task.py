@@ -99,7 +99,8 @@ class PassKeyTask:
         self._key_tokens: dict[str, list[int]] = {}
         self.instruction = self._ids(INSTRUCTION)
         self.question = self._ids(QUESTION)
-        before, between, after = KEY_SENTENCE.split("{key}")  # the key's own tokens go between these
+        # The key's own tokens (" NNNNN", with its space) go between these.
+        before, between, after = (part.rstrip(" ") for part in KEY_SENTENCE.split("{key}"))
         self.key_sentence_parts = self._ids(before), self._ids(between), self._ids(after)
         self.full_stop = self._ids(ANSWER.split("{key}")[1])
         sentences = [np.array(self._ids(s), dtype=np.int64) for s in FILLER_SENTENCES]

@@ -110,15 +110,15 @@ PRESETS = {
         eval_samples=32,
         warmup_steps=100,
     ),
-    # Seconds on two CPU cores: every code path, contexts past top-k x block (1024 tokens = 8 blocks).
+    # A minute on two CPU cores: every code path; 640-token contexts hold 5 blocks, more than top-4: sparse.
     "cpu-smoke": Preset(
         tokens_per_step=1024,
         phases=(
             Phase("dense", 4, ((256, 0.0), (512, 0.5)), 1e-3),
-            Phase("index", 2, _joined_at_once(1024), 1e-3),
-            Phase("msa", 1, _joined_at_once(1024), 2e-4),
+            Phase("index", 2, _joined_at_once(640), 1e-3),
+            Phase("msa", 1, _joined_at_once(640), 2e-4),
         ),
-        eval_contexts=(1024,),
+        eval_contexts=(640,),
         eval_samples=2,
         warmup_steps=2,
     ),
