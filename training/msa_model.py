@@ -18,8 +18,10 @@ index heads): the target is the dense attention's probability mass per key block
 index head's query heads and over the block's tokens (divided by Hq / Hi, so it sums to 1 over the
 causal blocks) and detached; the index distribution is the softmax over the causal blocks of the
 max-pooled block scores times Dp^-0.5; the loss is KL(target || index), averaged over the sequences,
-index heads and tokens past the first block (whose only causal block is their own). Its gradient
-reaches only the index projections and norms: the index branch reads a detached copy of its input.
+index heads and every DISTILL_QUERY_STRIDE-th token past the first block, the last token included
+(tokens of the first block have one causal block only; the stride keeps the target's dense-attention
+pass a fraction of a training step). Its gradient reaches only the index projections and norms: the
+index branch reads a detached copy of its input.
 
 Memory: every [query chunk x keys] tile holds at most TILE_ELEMENTS scores; the MSA attention and the
 index scores recompute their chunks in the backward pass (activation checkpointing), so 16K-token
@@ -47,6 +49,7 @@ TILE_ELEMENTS = 1 << 28
 ATTENTION_MODES = ("dense", "msa")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MASKED_SCORE = -1e30  # an invisible block's index score: finite, so 0 x log(0) terms stay 0
+DISTILL_QUERY_STRIDE = 8  # the distillation loss reads every 8th query: its target costs a dense attention pass
 
 
 def layer_shape(config: dict) -> MSAShape:
@@ -95,18 +98,18 @@ def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> tor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def query_chunks(num_tokens: int, elements_per_query: int):
-    """[start, end) query ranges whose tiles hold at most TILE_ELEMENTS elements; whole 128-token multiples
+def query_chunks(num_queries: int, elements_per_query: int):
+    """[start, end) query ranges whose tiles hold at most TILE_ELEMENTS elements; whole 128-query multiples
     where that fits (aligned masks)."""
     step = max(1, TILE_ELEMENTS // max(1, elements_per_query))
     step -= step % 128 if step >= 128 else 0
-    for start in range(0, num_tokens, step):
-        yield start, min(num_tokens, start + step)
+    for start in range(0, num_queries, step):
+        yield start, min(num_queries, start + step)
 
 
-def causal_mask(start: int, end: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """[end - start, num_keys] True where key j is visible to query t (j <= t), queries start..end-1."""
-    return torch.arange(num_keys, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+def causal_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[queries, num_keys] True where key j is visible to the query at position p (j <= p)."""
+    return torch.arange(num_keys, device=positions.device)[None, :] <= positions[:, None]
 
 
 def repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -114,31 +117,43 @@ def repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
 
+def padded_keys(k: torch.Tensor, num_heads: int, block_size: int) -> torch.Tensor:
+    """k [B, h, T, d] repeated to num_heads heads and zero-padded to whole blocks (never visible: causal)."""
+    num_tokens = k.shape[2]
+    return F.pad(repeat_heads(k, num_heads), (0, 0, 0, -(-num_tokens // block_size) * block_size - num_tokens))
+
+
 # --------------------------------------------------------------------------------------------- MSA math
+# Queries are given with their positions (ascending; on the host too, so that a chunk's last visible block
+# is known without a device sync): all tokens for attention and selection, every DISTILL_QUERY_STRIDE-th
+# for the distillation loss.
 
 
-def _chunk_block_scores(index_q: torch.Tensor, keys: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
-    """Max-pooled causal scores [B, Hi, c, blocks up to the chunk's last] of queries start..start+c-1."""
-    end = start + index_q.shape[2]
+def _chunk_block_scores(
+    index_q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, end: int, block_size: int
+) -> torch.Tensor:
+    """Max-pooled causal scores [B, Hi, c, blocks up to position end - 1] of queries at `positions`."""
     num_blocks = -(-end // block_size)
     scores = index_q @ keys[:, :, : num_blocks * block_size].transpose(-1, -2)
-    scores = scores.masked_fill(~causal_mask(start, end, scores.shape[-1], scores.device), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(positions, scores.shape[-1]), float("-inf"))
     return scores.view(*scores.shape[:-1], num_blocks, block_size).amax(-1)
 
 
-def block_scores(index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape) -> torch.Tensor:
-    """Max-pooled causal index scores [B, Hi, T, blocks]; -inf where a block holds no visible key.
+def block_scores(
+    index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape, positions: torch.Tensor
+) -> torch.Tensor:
+    """Max-pooled causal index scores [B, Hi, Q, blocks]; -inf where a block holds no visible key.
 
-    index_q [B, Hi, T, Dp], index_k [B, Hki, T, Dp]. With autograd on, each query chunk is recomputed in
-    the backward pass rather than kept.
+    index_q [B, Hi, Q, Dp] at `positions` (host tensor [Q]), index_k [B, Hki, T, Dp]. With autograd on, each
+    query chunk is recomputed in the backward pass rather than kept.
     """
-    batch, heads, num_tokens, _ = index_q.shape
-    block_size = shape.block_size
-    num_blocks = -(-num_tokens // block_size)
-    keys = F.pad(repeat_heads(index_k, heads), (0, 0, 0, num_blocks * block_size - num_tokens))
+    batch, heads = index_q.shape[:2]
+    keys = padded_keys(index_k, heads, shape.block_size)
+    num_blocks = keys.shape[2] // shape.block_size
+    on_device = positions.to(index_q.device)
     chunks = []
-    for start, end in query_chunks(num_tokens, batch * heads * num_blocks * block_size):
-        args = (index_q[:, :, start:end], keys, start, block_size)
+    for start, end in query_chunks(len(positions), batch * heads * keys.shape[2]):
+        args = (index_q[:, :, start:end], keys, on_device[start:end], int(positions[end - 1]) + 1, shape.block_size)
         if torch.is_grad_enabled():
             chunk = checkpoint(_chunk_block_scores, *args, use_reentrant=False)
         else:
@@ -151,9 +166,10 @@ def block_scores(index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape) 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape) -> torch.Tensor:
     """The blocks each (token, index head) attends to, as a mask [B, Hi, T, blocks] (float32 scores,
     msa_kernels.reference.topk_blocks: top-k with the local and init blocks forced)."""
+    batch, heads, num_tokens = index_q.shape[:3]
     with torch.autocast(index_q.device.type, enabled=False):
-        scores = block_scores(index_q.float(), index_k.float(), shape)
-    batch, heads, num_tokens, num_blocks = scores.shape
+        scores = block_scores(index_q.float(), index_k.float(), shape, torch.arange(num_tokens))
+    num_blocks = scores.shape[-1]
     positions = torch.arange(num_tokens, device=scores.device).repeat(batch)
     chosen = topk_blocks(scores.transpose(1, 2).reshape(batch * num_tokens, heads, num_blocks), positions, shape)
     chosen = chosen.long()
@@ -163,12 +179,16 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape)
 
 
 def _chunk_sparse_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, selected: torch.Tensor, start: int, block_size: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    selected: torch.Tensor,
+    positions: torch.Tensor,
+    end: int,
+    block_size: int,
 ) -> torch.Tensor:
-    """SDPA of queries start..start+c-1 over the causal keys of their selected blocks ([B, Hq, c, blocks])."""
-    end = start + q.shape[2]
-    token_mask = selected.repeat_interleave(block_size, dim=-1)[..., :end]
-    token_mask = token_mask & causal_mask(start, end, end, q.device)
+    """SDPA of queries at positions ..end-1 over the causal keys of their selected blocks ([B, Hq, c, blocks])."""
+    token_mask = selected.repeat_interleave(block_size, dim=-1)[..., :end] & causal_mask(positions, end)
     return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=token_mask)
 
 
@@ -180,32 +200,35 @@ def sparse_attention(
     batch, heads, num_tokens, _ = q.shape
     keys, values = repeat_heads(k, heads), repeat_heads(v, heads)
     selected = repeat_heads(selected, heads)
+    positions = torch.arange(num_tokens, device=q.device)
     out = []
     for start, end in query_chunks(num_tokens, batch * heads * num_tokens):
-        args = (q[:, :, start:end], keys, values, selected[:, :, start:end, : -(-end // shape.block_size)], start)
+        chunk_selected = selected[:, :, start:end, : -(-end // shape.block_size)]
+        args = (q[:, :, start:end], keys, values, chunk_selected, positions[start:end], end, shape.block_size)
         if torch.is_grad_enabled():
-            out.append(checkpoint(_chunk_sparse_attention, *args, shape.block_size, use_reentrant=False))
+            out.append(checkpoint(_chunk_sparse_attention, *args, use_reentrant=False))
         else:
-            out.append(_chunk_sparse_attention(*args, shape.block_size))
+            out.append(_chunk_sparse_attention(*args))
     return torch.cat(out, dim=2)
 
 
 @torch.no_grad()
-def dense_block_mass(q: torch.Tensor, k: torch.Tensor, shape: MSAShape) -> torch.Tensor:
-    """Dense causal attention's probability mass per key block, summed over each index head's query heads
-    and divided by their number: [B, Hi, T, blocks], summing to 1 over blocks."""
-    batch, heads, num_tokens, head_dim = q.shape
+def dense_block_mass(q: torch.Tensor, k: torch.Tensor, shape: MSAShape, positions: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention's probability mass per key block for the queries q [B, Hq, Q, D] at `positions`
+    (host tensor [Q]) over k [B, Hkv, T, D], summed over each index head's query heads and divided by their
+    number: [B, Hi, Q, blocks], summing to 1 over blocks."""
+    batch, heads, _, head_dim = q.shape
     index_heads, block_size = shape.num_index_heads, shape.block_size
-    num_blocks = -(-num_tokens // block_size)
-    keys = F.pad(repeat_heads(k, heads), (0, 0, 0, num_blocks * block_size - num_tokens))
-    group = heads // index_heads
+    keys = padded_keys(k, heads, block_size)
+    num_blocks, group = keys.shape[2] // block_size, heads // index_heads
+    on_device = positions.to(q.device)
     chunks = []
-    for start, end in query_chunks(num_tokens, batch * heads * num_blocks * block_size):
-        chunk_blocks = -(-end // block_size)
-        scores = (q[:, :, start:end] @ keys[:, :, : chunk_blocks * block_size].transpose(-1, -2)).float()
-        scores = scores * head_dim**-0.5
-        scores = scores.masked_fill(~causal_mask(start, end, scores.shape[-1], q.device), float("-inf"))
-        probs = scores.softmax(-1).view(batch, index_heads, group, end - start, chunk_blocks, block_size)
+    for start, end in query_chunks(len(positions), batch * heads * keys.shape[2]):
+        chunk_blocks = -(-(int(positions[end - 1]) + 1) // block_size)
+        scores = q[:, :, start:end] @ keys[:, :, : chunk_blocks * block_size].transpose(-1, -2)
+        scores = scores.masked_fill_(~causal_mask(on_device[start:end], scores.shape[-1]), float("-inf"))
+        probs = (scores * head_dim**-0.5).softmax(-1, dtype=torch.float32)
+        probs = probs.view(batch, index_heads, group, end - start, chunk_blocks, block_size)
         chunks.append(F.pad(probs.sum((2, 5)) / group, (0, num_blocks - chunk_blocks)))
     return torch.cat(chunks, dim=2)
 
@@ -214,18 +237,19 @@ def index_distillation_loss(
     q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape
 ) -> torch.Tensor:
     """KL(dense block mass || softmax of the index's block scores x Dp^-0.5) of one MSA layer (see the
-    module docstring); gradients reach index_q and index_k only."""
-    target = dense_block_mass(q.detach(), k.detach(), shape)
-    num_tokens, num_blocks = target.shape[2], target.shape[3]
-    if num_tokens <= shape.block_size:
-        return target.new_zeros(())
-    visible = torch.arange(num_blocks, device=q.device)[None, :] <= (
-        torch.arange(num_tokens, device=q.device)[:, None] // shape.block_size
-    )
-    scores = block_scores(index_q, index_k, shape).float() * shape.index_head_dim**-0.5
-    log_index = scores.masked_fill(~visible, MASKED_SCORE).log_softmax(-1)
-    kl = (torch.special.xlogy(target, target) - target * log_index).sum(-1)  # [B, Hi, T]
-    return kl[:, :, shape.block_size :].mean()
+    module docstring), over every DISTILL_QUERY_STRIDE-th query past the first block, the last one included;
+    gradients reach index_q and index_k only."""
+    num_tokens = q.shape[2]
+    positions = torch.arange(num_tokens - 1, shape.block_size - 1, -DISTILL_QUERY_STRIDE).flip(0)
+    if len(positions) == 0:
+        return q.new_zeros((), dtype=torch.float32)
+    on_device = positions.to(q.device)
+    target = dense_block_mass(q.detach()[:, :, on_device], k.detach(), shape, positions)
+    scores = block_scores(index_q[:, :, on_device], index_k, shape, positions).float()
+    num_blocks = scores.shape[-1]
+    visible = torch.arange(num_blocks, device=q.device)[None, :] <= (on_device // shape.block_size)[:, None]
+    log_index = (scores * shape.index_head_dim**-0.5).masked_fill(~visible, MASKED_SCORE).log_softmax(-1)
+    return (torch.special.xlogy(target, target) - target * log_index).sum(-1).mean()
 
 
 # ------------------------------------------------------------------------------------------------- model
