@@ -17,11 +17,20 @@ distill=True adds the index-distillation loss of every MSA layer (Flash-MSA's wa
 index heads): the target is the dense attention's probability mass per key block, summed over the
 index head's query heads and over the block's tokens (divided by Hq / Hi, so it sums to 1 over the
 causal blocks) and detached; the index distribution is the softmax over the causal blocks of the
-max-pooled block scores times Dp^-0.5; the loss is KL(target || index), averaged over the sequences,
-index heads and every DISTILL_QUERY_STRIDE-th token past the first block, the last token included
-(tokens of the first block have one causal block only; the stride keeps the target's dense-attention
-pass a fraction of a training step). Its gradient reaches only the index projections and norms: the
-index branch reads a detached copy of its input.
+max-pooled block scores times Dp^-0.5; the loss is KL(target || index), averaged over the sequences and
+index heads, over two sets of queries past the first block (whose tokens have one causal block only):
+  strided  every DISTILL_QUERY_STRIDE-th token, the last one included: the stride keeps the target's
+           dense-attention pass a fraction of a training step;
+  focus    every token of the span where retrieval happens (`distill_focus`, [start, end) positions: in
+           pass-key training the question and the answer; by default the last DISTILL_FOCUS_TOKENS tokens).
+The two sets' means are weighted 1 - DISTILL_FOCUS_WEIGHT and DISTILL_FOCUS_WEIGHT. Why: the strided
+queries are thousands of filler tokens whose attention is local (mostly their own block, selected
+anyway), while the ~20 question and answer tokens are the ones that must find the key's far block:
+read at the stride only, ~2 of ~2,000 queries at 16K were such tokens, and a loss that hardly counted
+them let the index heads rank the key's block low (phase 2 of the first H200 run: MSA accuracy
+0.91/0.69/0.81/0.22 at 2K-16K while dense read the key). Weighted, they are half the loss for ~2% of
+its queries: the cost stays the strided pass's. Its gradient reaches only the index projections and
+norms: the index branch reads a detached copy of its input.
 
 Memory: every [query chunk x keys] tile holds at most TILE_ELEMENTS scores; the MSA attention and the
 index scores recompute their chunks in the backward pass (activation checkpointing), so 16K-token
@@ -50,6 +59,8 @@ ATTENTION_MODES = ("dense", "msa")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MASKED_SCORE = -1e30  # an invisible block's index score: finite, so 0 x log(0) terms stay 0
 DISTILL_QUERY_STRIDE = 8  # the distillation loss reads every 8th query: its target costs a dense attention pass
+DISTILL_FOCUS_TOKENS = 32  # the default focus span of the distillation: the last 32 queries
+DISTILL_FOCUS_WEIGHT = 0.5  # the focus span's share of the distillation loss (the strided queries' the rest)
 
 
 def layer_shape(config: dict) -> MSAShape:
@@ -233,14 +244,35 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, shape: MSAShape, position
     return torch.cat(chunks, dim=2)
 
 
+def distillation_queries(
+    num_tokens: int, block_size: int, focus: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distillation's query positions (ascending, host tensor) and which of them are the focus span's:
+    every DISTILL_QUERY_STRIDE-th past the first block, the last one included, and every one of the focus
+    span [start, end) past the first block (default: the last DISTILL_FOCUS_TOKENS)."""
+    start, end = focus if focus is not None else (num_tokens - DISTILL_FOCUS_TOKENS, num_tokens)
+    start, end = max(start, block_size), min(end, num_tokens)
+    focused = torch.arange(start, max(start, end))
+    strided = torch.arange(num_tokens - 1, block_size - 1, -DISTILL_QUERY_STRIDE).flip(0)
+    strided = strided[(strided < start) | (strided >= end)]
+    positions, order = torch.cat([strided, focused]).sort()
+    is_focus = torch.cat([torch.zeros(len(strided), dtype=torch.bool), torch.ones(len(focused), dtype=torch.bool)])
+    return positions, is_focus[order]
+
+
 def index_distillation_loss(
-    q: torch.Tensor, k: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor, shape: MSAShape
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    shape: MSAShape,
+    focus: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """KL(dense block mass || softmax of the index's block scores x Dp^-0.5) of one MSA layer (see the
-    module docstring), over every DISTILL_QUERY_STRIDE-th query past the first block, the last one included;
+    module docstring): the strided queries' mean and the focus span's, weighted by DISTILL_FOCUS_WEIGHT;
     gradients reach index_q and index_k only."""
     num_tokens = q.shape[2]
-    positions = torch.arange(num_tokens - 1, shape.block_size - 1, -DISTILL_QUERY_STRIDE).flip(0)
+    positions, is_focus = distillation_queries(num_tokens, shape.block_size, focus)
     if len(positions) == 0:
         return q.new_zeros((), dtype=torch.float32)
     on_device = positions.to(q.device)
@@ -249,7 +281,13 @@ def index_distillation_loss(
     num_blocks = scores.shape[-1]
     visible = torch.arange(num_blocks, device=q.device)[None, :] <= (on_device // shape.block_size)[:, None]
     log_index = (scores * shape.index_head_dim**-0.5).masked_fill(~visible, MASKED_SCORE).log_softmax(-1)
-    return (torch.special.xlogy(target, target) - target * log_index).sum(-1).mean()
+    per_query = (torch.special.xlogy(target, target) - target * log_index).sum(-1).mean((0, 1))  # [Q]
+    if is_focus.all() or not is_focus.any():
+        return per_query.mean()
+    weights = torch.where(
+        is_focus, DISTILL_FOCUS_WEIGHT / is_focus.sum(), (1 - DISTILL_FOCUS_WEIGHT) / (~is_focus).sum()
+    )
+    return (per_query * weights.to(per_query.device)).sum()
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -274,7 +312,7 @@ class Attention(nn.Module):
         return proj(x).view(*x.shape[:2], -1, dim)  # [B, T, heads, dim]
 
     def forward(
-        self, x: torch.Tensor, rope: dict[int, tuple], attention: str, distill: bool
+        self, x: torch.Tensor, rope: dict[int, tuple], attention: str, distill: bool, focus: tuple[int, int] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         s, d, dp = self.shape, self.shape.head_dim, self.shape.index_head_dim
         q = apply_rope(self._heads(x, self.q_proj, d), rope[d]).transpose(1, 2)
@@ -293,7 +331,7 @@ class Attention(nn.Module):
         else:
             heads = s.num_q_heads
             out = F.scaled_dot_product_attention(q, repeat_heads(k, heads), repeat_heads(v, heads), is_causal=True)
-        kl = index_distillation_loss(q, k, index_q, index_k, s) if self.sparse and distill else None
+        kl = index_distillation_loss(q, k, index_q, index_k, s, focus) if self.sparse and distill else None
         return self.o_proj(out.transpose(1, 2).flatten(2)), kl
 
 
@@ -317,8 +355,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = MLP(config["hidden_size"], config["intermediate_size"])
 
-    def forward(self, x, rope, attention, distill):
-        attended, kl = self.self_attn(self.input_layernorm(x), rope, attention, distill)
+    def forward(self, x, rope, attention, distill, focus):
+        attended, kl = self.self_attn(self.input_layernorm(x), rope, attention, distill, focus)
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x)), kl
 
@@ -362,10 +400,15 @@ class FlashMSAForCausalLM(nn.Module):
         return [p for name, p in self.named_parameters() if ".index_" in name]
 
     def forward(
-        self, input_ids: torch.Tensor, attention: str = "dense", distill: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention: str = "dense",
+        distill: bool = False,
+        distill_focus: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, T, vocab] of input_ids [B, T], and the mean index-distillation loss over the MSA
-        layers when distill (else None)."""
+        layers when distill (else None); distill_focus: the [start, end) positions whose every query the
+        distillation reads (default: the last DISTILL_FOCUS_TOKENS)."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention {attention!r} is not one of {ATTENTION_MODES}")
         theta, num_tokens = self.config["rope_theta"], input_ids.shape[1]
@@ -374,7 +417,7 @@ class FlashMSAForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids).float()
         losses = []
         for layer in self.model.layers:
-            x, kl = layer(x, rope, attention, distill)
+            x, kl = layer(x, rope, attention, distill, distill_focus)
             if kl is not None:
                 losses.append(kl)
         logits = self.lm_head(self.model.norm(x))

@@ -153,16 +153,26 @@ class PassKeyTask:
         prompt_ids = [*self.instruction, *filler[:split].tolist(), *key_ids, *filler[split:].tolist(), *self.question]
         return PassKeyPrompt(prompt_ids, self.answer_ids(key), key, len(self.instruction) + split)
 
-    def training_sequences(self, seed: int | list[int], context: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """`count` sequences of exactly `context` tokens, prompt + answer, and a mask of the answer tokens
-        (both [count, context]): the prompt is context minus the answer's length."""
+    def training_sequences(
+        self, seed: int | list[int], context: int, count: int, trailing: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`count` sequences of exactly `context` tokens, prompt + answer + `trailing` tokens, and a mask of the
+        answer tokens (both [count, context]). The trailing tokens are the start of a next document (the
+        instruction, then filler), as in packed training data: they move the answer off the sequence's end,
+        so that it does not always sit at the same place in its 128-token block (the evaluation's and the
+        server's answers start wherever the prompt ends)."""
         rng = np.random.default_rng(seed)
         tokens = np.empty((count, context), dtype=np.int64)
         answer_mask = np.zeros((count, context), dtype=bool)
+        end = context - trailing
         for row in range(count):
             key = random_key(rng)
             answer = self.answer_ids(key)
-            sample = self.prompt(context - len(answer), float(rng.random()), key, rng)
-            tokens[row] = sample.prompt_ids + answer
-            answer_mask[row, context - len(answer) :] = True
+            sample = self.prompt(end - len(answer), float(rng.random()), key, rng)
+            tokens[row, :end] = sample.prompt_ids + answer
+            answer_mask[row, end - len(answer) : end] = True
+            if trailing:
+                start = int(self.sentence_starts[rng.integers(len(self.sentence_starts) // 2)])
+                next_document = [*self.instruction, *self.filler_stream[start : start + trailing].tolist()]
+                tokens[row, end:] = next_document[:trailing]
         return tokens, answer_mask
