@@ -27,12 +27,13 @@ from tests.serving import free_port
 from training.msa_model import (
     FlashMSAForCausalLM,
     dense_block_mass,
+    distillation_queries,
     export_checkpoint,
     layer_shape,
     load_checkpoint,
 )
 from training.needle_task import ANSWER, QUESTION, PassKeyTask, answer_is_correct, load_tokenizer
-from training.train_needle import BUDGET_STOPPED, NEEDLE_CONFIG
+from training.train_needle import BUDGET_STOPPED, NEEDLE_CONFIG, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "models" / "needle-msa"
@@ -79,6 +80,35 @@ def test_prompts_are_deterministic_and_bad_input_is_refused(task):
         task.prompt(500, 1.5, "12345", np.random.default_rng(0))
     with pytest.raises(ValueError, match="5 digits"):
         task.prompt(500, 0.5, "1234", np.random.default_rng(0))
+
+
+def test_trailing_tokens_move_the_answer_off_the_end(task):
+    tokens, answer_mask = task.training_sequences(7, 512, 3, trailing=40)
+    assert tokens.shape == answer_mask.shape == (3, 512)
+    for row, mask in zip(tokens, answer_mask):
+        end = 512 - 40
+        assert row[end - 1] == EOS and mask[end - 1] and not mask[end:].any() and 4 <= mask.sum() <= 7
+        assert list(row[end : end + len(task.instruction)]) == task.instruction  # the next document starts
+
+
+def test_distillation_reads_every_focus_query_and_the_strided_ones():
+    positions, is_focus = distillation_queries(1024, 128, focus=(1000, 1010))
+    assert positions.tolist() == sorted(positions.tolist()) and len(set(positions.tolist())) == len(positions)
+    assert positions[is_focus].tolist() == list(range(1000, 1010))
+    assert positions[~is_focus].tolist() == [p for p in range(1023, 127, -8) if not 1000 <= p < 1010][::-1]
+    default, default_focus = distillation_queries(1024, 128)
+    assert default[default_focus].tolist() == list(range(1024 - 32, 1024))
+    first_block, _ = distillation_queries(200, 128, focus=(100, 300))  # clipped to past the first block
+    assert first_block.min() == 128 and first_block.max() == 199
+
+
+def test_phase_three_mixes_dense_rounds_and_the_curriculum_retires_short_contexts():
+    dense, _, msa = PRESETS["h200"].phases
+    kinds = {(msa.context(s), msa.attention(s)) for s in range(12)}
+    assert kinds == {(c, a) for c in (2048, 4096, 8192) for a in ("msa", "dense")}
+    assert [msa.attention(s) for s in range(6)] == ["msa"] * 3 + ["dense"] * 3
+    assert dense.contexts(dense.steps - 1) == [1024, 2048, 4096, 8192, 16384]
+    assert dense.contexts(0) == [256] and all(dense.attention(s) == "dense" for s in range(10))
 
 
 def test_answer_is_correct():
@@ -153,7 +183,10 @@ def test_cpu_smoke_training_stops_on_budget_resumes_and_exports(demo_model, task
     for after in ("phase 1", "phase 2", "phase 3"):
         assert f"[eval after {after}] msa   pass-key accuracy by context  640: " in done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == {"dense": 4, "index": 2, "msa": 1} and len(summary["evaluations"]) == 3
+    assert summary["steps"] == {"dense": 4, "index": 2, "msa": 2} and len(summary["evaluations"]) == 3
+    msa_means = [np.mean(list(e["msa"].values())) for e in summary["evaluations"]]
+    best = max(i for i, m in enumerate(msa_means) if m == max(msa_means))  # the later phase on a tie
+    assert summary["exported"]["after"] == f"phase {best + 1}"
     model_dir = tmp_path / "model"
     assert json.loads((model_dir / "config.json").read_text()) == NEEDLE_CONFIG
     ids = task.prompt(640, 0.5, "31415", np.random.default_rng(2)).prompt_ids
