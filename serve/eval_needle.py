@@ -1,0 +1,244 @@
+"""Pass-key retrieval through the real server: accuracy by context length x needle depth, FLASH_MSA and dense.
+
+Owns issue 19's served evaluation. For each configuration, the end-to-end benchmark's for a
+FlashMSAForCausalLM checkpoint (serve/bench_e2e.py's flash_msa_configs: `FLASH_MSA`, the checkpoint's
+trained top-k; `dense`, the same weights with every layer dense on --dense-backend), the real `vllm serve
+MODEL_DIR` starts on 127.0.0.1 (bench_e2e.start_server), gets --samples pass-key prompts per (context,
+depth) cell as token ids on /v1/completions (greedy, max_tokens MAX_TOKENS, --concurrency at a time), and
+stops. The prompts are training/needle_task.py's, the same for every configuration (seeded by cell); an
+answer is right when the completion starts with exactly the key's digits (needle_task.answer_is_correct).
+
+    python serve/eval_needle.py MODEL_DIR [--contexts 1024 2048 4096 8192 16384 32768] [--depths 0 0.25 0.5 0.75 1]
+        [--samples 4] [--only FLASH_MSA dense] [--dense-backend FLASH_ATTN] [--concurrency 4] [--port 8123]
+        [--gpu-memory-utilization 0.9] [--out results/needle] [-- extra args for every server]
+
+--out gets summary.md (per configuration a context x depth table, FLASH_MSA minus dense per context, the
+command), results.json (every cell, the command, each server's arguments and errors), needle-NAME.svg (a
+heat map per configuration) and the server logs. Contexts need --max-model-len = the longest + MAX_TOKENS +
+bench_e2e.PROMPT_SLACK within the checkpoint's max_position_embeddings.
+
+On one H200, the trained checkpoint (dev/gpu/README.md stages vLLM there):
+
+    python3 serve/eval_needle.py models/needle-msa --contexts 1024 2048 4096 8192 16384 32768 --samples 8 \\
+        --out $OUT/needle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
+from serve.bench_e2e import (
+    PROMPT_SLACK,
+    Server,
+    flash_msa_configs,
+    start_server,
+    stop_server,
+    wait_until_healthy,
+)
+from serve.build_demo_model import EOS
+from training.needle_task import PassKeyTask, answer_is_correct, load_tokenizer, random_key
+
+MAX_TOKENS = 8  # " NNNNN." is 3-4 tokens, then EOS
+START_TIMEOUT_S = 1200
+REQUEST_TIMEOUT_S = 1800
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+
+
+def cell_prompts(task: PassKeyTask, context: int, depth: float, samples: int):
+    """The cell's prompts: the same for every configuration and run."""
+    rng = np.random.default_rng([context, round(depth * 1000), samples])
+    return [task.prompt(context, depth, random_key(rng), rng) for _ in range(samples)]
+
+
+def complete(url: str, prompt_ids: list[int]) -> str:
+    """Greedy completion of a token-id prompt from the server's /v1/completions."""
+    body = {"model": "bench", "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with _DIRECT.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def evaluate_server(server: Server, task: PassKeyTask, opts) -> dict[str, dict[str, float]]:
+    """Accuracy {context: {depth: share right}} of one healthy server; a failed request stops its cells."""
+    accuracy = {}
+    with ThreadPoolExecutor(opts.concurrency) as pool:
+        for context in opts.contexts:
+            started, row = time.monotonic(), {}
+            for depth in opts.depths:
+                prompts = cell_prompts(task, context, depth, opts.samples)
+                completions = list(pool.map(lambda p: complete(server.url, p.prompt_ids), prompts))
+                row[f"{depth:g}"] = sum(answer_is_correct(c, p.key) for c, p in zip(completions, prompts)) / len(
+                    prompts
+                )
+                wrong = [(p.key, c) for c, p in zip(completions, prompts) if not answer_is_correct(c, p.key)]
+                if wrong:
+                    print(f"[{server.name}] {context} depth {depth:g}: wrong (key, completion): {wrong}", flush=True)
+            accuracy[str(context)] = row
+            cells = "  ".join(f"{d}: {a:.2f}" for d, a in row.items())
+            print(f"[{server.name}] {context} tokens  {cells}  ({time.monotonic() - started:.0f} s)", flush=True)
+    return accuracy
+
+
+def color(accuracy: float) -> str:
+    """Red (0) through yellow to green (1)."""
+    red, green = (255, round(510 * accuracy)) if accuracy < 0.5 else (round(510 * (1 - accuracy)), 200)
+    return f"rgb({red},{green},80)"
+
+
+def heat_map_svg(title: str, accuracy: dict[str, dict[str, float]], contexts: list[int], depths: list[str]) -> str:
+    cell_w, cell_h, left, top = 70, 32, 110, 50
+    width, height = left + cell_w * len(contexts) + 20, top + cell_h * len(depths) + 50
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">',
+        f'<text x="{width / 2}" y="22" font-size="15" text-anchor="middle">{title}</text>',
+        f'<text x="14" y="{top + cell_h * len(depths) / 2}" font-size="12" '
+        f'transform="rotate(-90 14 {top + cell_h * len(depths) / 2})" text-anchor="middle">needle depth</text>',
+        f'<text x="{left + cell_w * len(contexts) / 2}" y="{height - 8}" font-size="12" '
+        'text-anchor="middle">context (tokens)</text>',
+    ]
+    for row, depth in enumerate(depths):
+        y = top + row * cell_h
+        parts.append(f'<text x="{left - 8}" y="{y + cell_h / 2 + 4}" font-size="12" text-anchor="end">{depth}</text>')
+        for col, context in enumerate(contexts):
+            x, value = left + col * cell_w, accuracy.get(str(context), {}).get(depth)
+            fill, label = ("#dddddd", "n/a") if value is None else (color(value), f"{value:.2f}")
+            parts.append(f'<rect x="{x}" y="{y}" width="{cell_w}" height="{cell_h}" fill="{fill}" stroke="white"/>')
+            center_x, center_y = x + cell_w / 2, y + cell_h / 2 + 4
+            parts.append(f'<text x="{center_x}" y="{center_y}" font-size="12" text-anchor="middle">{label}</text>')
+    for col, context in enumerate(contexts):
+        x = left + col * cell_w + cell_w / 2
+        y = top + cell_h * len(depths) + 16
+        parts.append(f'<text x="{x}" y="{y}" font-size="12" text-anchor="middle">{context}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summary_markdown(results: dict, opts) -> str:
+    depths = [f"{d:g}" for d in opts.depths]
+    lines = [
+        f"# Pass-key retrieval through the server: {opts.model_dir.name}",
+        "",
+        f"    {results['command']}",
+        "",
+        f"{opts.samples} prompts per cell (context x needle depth), greedy, max_tokens {MAX_TOKENS}; share of "
+        "completions that start with exactly the key.",
+    ]
+    for name, config in results["configs"].items():
+        accuracy = config["accuracy"]
+        lines += ["", f"## {name}: `{shlex.join(config['args'])}`", ""]
+        lines += ["| depth | " + " | ".join(str(c) for c in opts.contexts) + " |"]
+        lines += ["|---" * (len(opts.contexts) + 1) + "|"]
+        for depth in [*depths, "mean"]:
+            cells = []
+            for context in opts.contexts:
+                row = accuracy.get(str(context), {})
+                value = mean(row.get(d) for d in depths) if depth == "mean" else row.get(depth)
+                cells.append("n/a" if value is None else f"{value:.2f}")
+            lines.append(f"| {depth} | " + " | ".join(cells) + " |")
+        lines += [f"\nErrors: {'; '.join(config['errors'])}"] if config["errors"] else []
+    if {"FLASH_MSA", "dense"} <= results["configs"].keys():
+        msa, dense = results["configs"]["FLASH_MSA"]["accuracy"], results["configs"]["dense"]["accuracy"]
+        lines += ["", "## FLASH_MSA minus dense, mean over depths (goal: within 0.02 where dense >= 0.90)", ""]
+        lines += ["| context | dense | FLASH_MSA | difference |", "|---|---|---|---|"]
+        for context in opts.contexts:
+            d = mean(dense.get(str(context), {}).values())
+            m = mean(msa.get(str(context), {}).values())
+            if d is not None and m is not None:
+                lines.append(f"| {context} | {d:.2f} | {m:.2f} | {m - d:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", type=Path, help="a FlashMSAForCausalLM checkpoint (e.g. models/needle-msa)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--samples", type=int, default=4, help="prompts per (context, depth) cell")
+    parser.add_argument("--only", nargs="+", help="only these configurations (FLASH_MSA, dense)")
+    parser.add_argument("--dense-backend", help="backend of `dense` (default: FLASH_ATTN on CUDA, else FLASH_MSA)")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--out", type=Path, default=Path("results/needle"))
+    opts = parser.parse_args(argv)
+    opts.extra = extra
+    config_path = opts.model_dir / "config.json"
+    if not config_path.is_file():
+        parser.error(f"{config_path} not found")
+    opts.config = json.loads(config_path.read_text())
+    if min(opts.samples, opts.concurrency) < 1 or not all(0 <= d <= 1 for d in opts.depths):
+        parser.error("--samples and --concurrency must be >= 1, --depths within [0, 1]")
+    longest = max(opts.contexts) + MAX_TOKENS + PROMPT_SLACK
+    if longest > opts.config["max_position_embeddings"]:
+        parser.error(
+            f"--contexts up to {max(opts.contexts)} need --max-model-len {longest}, beyond the checkpoint's "
+            f"max_position_embeddings {opts.config['max_position_embeddings']}"
+        )
+    if opts.dense_backend is None:
+        import torch
+
+        opts.dense_backend = "FLASH_ATTN" if torch.cuda.is_available() else "FLASH_MSA"
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    configs = flash_msa_configs(opts.config, opts.dense_backend)
+    unknown = set(opts.only or []) - configs.keys()
+    if unknown:
+        sys.exit(f"--only: unknown configurations {sorted(unknown)}; there are {sorted(configs)}")
+    configs = {name: args for name, args in configs.items() if not opts.only or name in opts.only}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    task = PassKeyTask(load_tokenizer(opts.model_dir), EOS)
+    command = shlex.join(["python", "serve/eval_needle.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {"command": command, "model": str(opts.model_dir), "samples": opts.samples, "configs": {}}
+    for offset, (name, args) in enumerate(configs.items()):
+        server = Server(name, args, opts.port + offset, opts.out / f"server-{name}.log")
+        start_server(server, opts.gpu_memory_utilization, opts.extra, bench_opts(opts))
+        try:
+            wait_until_healthy([server], START_TIMEOUT_S)
+            accuracy = evaluate_server(server, task, opts) if not server.errors else {}
+        except OSError as e:  # a request failed: the server died or timed out
+            server.errors.append(f"request failed: {e}")
+            accuracy = {}
+        finally:
+            stop_server(server)
+        results["configs"][name] = {"args": args + opts.extra, "accuracy": accuracy, "errors": server.errors}
+        depths = [f"{d:g}" for d in opts.depths]
+        svg = heat_map_svg(f"{opts.model_dir.name}: {name}, pass-key accuracy", accuracy, opts.contexts, depths)
+        (opts.out / f"needle-{name}.svg").write_text(svg)
+    (opts.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (opts.out / "summary.md").write_text(summary_markdown(results, opts))
+    print(f"wrote {opts.out}/summary.md, results.json and the heat maps", flush=True)
+    return 1 if any(c["errors"] for c in results["configs"].values()) else 0
+
+
+def bench_opts(opts) -> argparse.Namespace:
+    """The fields bench_e2e.start_server reads: the model, request lengths and requests in flight."""
+    return argparse.Namespace(
+        model_dir=opts.model_dir, input_lens=opts.contexts, output_len=MAX_TOKENS, concurrency=[opts.concurrency]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
