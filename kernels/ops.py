@@ -54,6 +54,7 @@ CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.3
     "tvm_ffi": "apache-tvm-ffi>=0.1.11,<0.2",
 }
 logger = logging.getLogger("vllm.msa.kernels")  # under vllm's logger, so serving logs show it
+SCORE_BYTES = 1 << 30  # largest block-score tensor select_blocks materialises at once (_score_chunks)
 
 
 @functools.cache
@@ -278,9 +279,21 @@ def select_blocks(
     )
     for rows, part in _parts(batch):
         steps = _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase)
-        scores = steps.index_scores(_rows(index_q, rows), index_key_cache, part, shape)
-        steps.topk(scores, part.positions, shape, out=_rows(selected, rows))
+        part_q, part_selected = _rows(index_q, rows), _rows(selected, rows)
+        for chunk_rows, chunk in _score_chunks(part, shape):
+            scores = steps.index_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape)
+            steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
     return selected
+
+
+def _score_chunks(part: PagedBatch, shape: MSAShape) -> list[tuple[slice | None, PagedBatch]]:
+    """[(None, part)], or, where its block scores [T, Hi, max_blocks] fp32 would pass SCORE_BYTES (a long
+    prefill: one 128K-token chunk of a 1M context would need 16 GiB), runs of its tokens whose scores fit,
+    scored and selected one after the other (PagedBatch.token_chunks). Decode parts always fit."""
+    row_bytes = shape.num_index_heads * part.block_table.shape[1] * 4
+    if part.num_tokens * row_bytes <= SCORE_BYTES:
+        return [(None, part)]
+    return part.token_chunks(SCORE_BYTES // row_bytes)
 
 
 def sparse_attention(

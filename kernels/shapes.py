@@ -9,6 +9,7 @@ A decode request brings one new token, or under speculative decoding 1 + the dra
 the decode kernels run every token on its own, causal by its position, so any such request is a decode.
 """
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -156,6 +157,34 @@ class PagedBatch:
         if "seq_lens_cpu" in self.__dict__:
             part.seq_lens_cpu = self.seq_lens_cpu[first:end]
         return part
+
+    def token_chunks(self, max_tokens: int) -> list[tuple[slice, "PagedBatch"]]:
+        """The batch's query tokens cut into runs of at most max_tokens consecutive tokens, each as a batch of
+        its own with the rows of this batch's tokens it owns: a request cut between two runs appears in both,
+        its earlier tokens as a chunked prefill whose context ends at its last token in the run, so every
+        token keeps its position and sees the keys it saw. One run (this batch itself) where all tokens fit.
+        Built from the host copy of query_start_loc: the device only subtracts, nothing syncs."""
+        total = self.num_tokens
+        if total <= max_tokens:
+            return [(slice(0, total), self)]
+        starts = self.query_start_loc_cpu
+        device = self.query_start_loc.device
+        chunks = []
+        for first in range(0, total, max_tokens):
+            end = min(first + max_tokens, total)
+            r0 = bisect.bisect_right(starts, first) - 1
+            r1 = bisect.bisect_left(starts, end)  # requests r0 .. r1-1 own tokens of [first, end)
+            local = [max(first, starts[r]) - first for r in range(r0, r1)] + [end - first]
+            cut = [starts[r + 1] - min(end, starts[r + 1]) for r in range(r0, r1)]  # their tokens past the run
+            chunk = PagedBatch(
+                query_start_loc=torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True),
+                seq_lens=self.seq_lens[r0:r1] - torch.tensor(cut, dtype=torch.int32).to(device, non_blocking=True),
+                block_table=self.block_table[r0:r1],
+                phase=self.phase,
+            )
+            chunk.query_start_loc_cpu = local
+            chunks.append((slice(first, end), chunk))
+        return chunks
 
     @property
     def num_requests(self) -> int:

@@ -304,3 +304,28 @@ def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately
     into = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape, out=step[1:-1])
     assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
     assert (step[[0, -1]] == 7777).all()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 16, 45])
+def test_token_chunks_keep_every_tokens_position_and_request(max_tokens):
+    q_lens, seq_lens = [45, 3, 17, 1], [45, 80, 60, 129]
+    batch = make_case(small_shape(), q_lens, seq_lens, seed=3).batch
+    chunks = batch.token_chunks(max_tokens)
+    assert [rows.start for rows, _ in chunks] == list(range(0, batch.num_tokens, max_tokens))
+    assert all(chunk.num_tokens <= max_tokens for _, chunk in chunks)
+    for rows, chunk in chunks:
+        assert torch.equal(chunk.positions, batch.positions[rows])
+        pages = chunk.block_table[chunk.token_requests.long()]
+        assert torch.equal(pages, batch.block_table[batch.token_requests.long()][rows])
+
+
+def test_select_blocks_scores_a_long_prefill_in_token_chunks_with_the_same_selection(monkeypatch):
+    shape = small_shape(num_index_heads=4, topk_blocks=2)
+    q_lens, seq_lens = [1, 1, 45, 17, 60], [37, 80, 45, 60, 200]  # two decodes, then chunked prefills
+    case = make_case(shape, q_lens, seq_lens, seed=29)
+    whole = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape)
+    row_bytes = shape.num_index_heads * case.batch.block_table.shape[1] * 4
+    monkeypatch.setattr(ops, "SCORE_BYTES", 10 * row_bytes)  # runs of 10 prefill tokens: requests cut mid-way
+    prefill = case.batch.split()[1]
+    assert len(ops._score_chunks(prefill, shape)) == -(-prefill.num_tokens // 10)
+    assert torch.equal(ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape), whole)
