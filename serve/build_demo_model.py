@@ -6,7 +6,7 @@ Python standard library, `config.json` / `generation_config.json` for
 Nothing is downloaded. An existing complete model with the same config is
 reused, so calling this at every server start is cheap.
 
-    python serve/build_demo_model.py OUT_DIR [--preset {default,m3-attention}] [--seed N] [--overwrite]
+    python serve/build_demo_model.py OUT_DIR [--preset {default,m3-attention,m3-attention-1m}] [--seed N] [--overwrite]
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ PRESETS = {
         "msa_config": {"topk_blocks": 16, "index_head_dim": 128},
     },
 }
+
+# m3-attention with MiniMax-M3's 1,048,576 positions: 1M-token serving (issue 18: --max-model-len 1048576).
+PRESETS["m3-attention-1m"] = {**PRESETS["m3-attention"], "max_position_embeddings": 1048576}
 
 
 def make_config(**overrides) -> dict:
@@ -276,7 +279,10 @@ if __name__ == "__main__":
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="model shapes (default: the small CPU demo; m3-attention: MiniMax-M3's attention shapes)",
+        help=(
+            "model shapes (default: the small CPU demo; m3-attention: MiniMax-M3's attention shapes; "
+            "m3-attention-1m: the same with 1M positions)"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")

@@ -18,10 +18,13 @@ Presets (--preset):
   hidden 1024 and 8 small experts (94M parameters, 190 MB). Layer 0 is dense and layers 1-3 sparse +
   MoE (as the FlashMSA demo preset), so most attention is sparse, as in M3 (57 of 60 layers).
 
+- m3-attention-1m: m3-attention with MiniMax-M3's 1,048,576 positions, for serving 1M-token contexts.
 - production: the released MiniMax-M3's shapes (60 layers, 3 dense; hidden 6144; 128 experts),
   with --config-only: config.json alone, for `python -m vllm_msa.sizing`.
 
-    python serve/build_m3_model.py OUT_DIR [--preset {default,m3-attention,production}] [--seed N] [--config-only]
+    python serve/build_m3_model.py OUT_DIR [--preset NAME] [--seed N] [--config-only]
+
+(NAME: default, m3-attention, m3-attention-1m, m3-layer-mix, production)
 """
 
 from __future__ import annotations
@@ -160,6 +163,9 @@ PRESETS["m3-layer-mix"] = {
     },
 }
 
+# m3-attention with MiniMax-M3's own position limit: 1M-token serving (issue 18: --max-model-len 1048576).
+PRESETS["m3-attention-1m"] = {**PRESETS["m3-attention"], "max_position_embeddings": 1048576}
+
 
 def make_config(**text_overrides) -> dict:
     """The top-level config.json; text_overrides replace TEXT_CONFIG keys (a dict for sparse_attention_config is
@@ -279,7 +285,8 @@ if __name__ == "__main__":
         default="default",
         help=(
             "model shapes (default: the tests' tiny M3; m3-attention: MiniMax-M3's attention shapes, 1 dense + 3 "
-            "MSA layers; m3-layer-mix: the same shapes in M3's 60 layers, 3 of them dense)"
+            "MSA layers; m3-attention-1m: the same with M3's 1M positions; m3-layer-mix: the same shapes in M3's 60 "
+            "layers, 3 of them dense)"
         ),
     )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")

@@ -59,6 +59,9 @@ def test_m3_layer_mix_preset_has_m3s_layers_with_m3_attentions_shapes(m3_attenti
     assert msa.sparse_layers(mix.num_hidden_layers) == list(range(3, 60))
     assert msa.layer_shape(mix) == MSAModelConfig.from_minimax_m3(attention).layer_shape(attention)
     assert mix.hidden_size == attention.hidden_size
+    long = text("m3-attention-1m")  # issue 18's 1M-token serving: M3's position limit, the same layers
+    assert long.max_position_embeddings == 1048576 > attention.max_position_embeddings
+    assert MSAModelConfig.from_minimax_m3(long).layer_shape(long) == msa.layer_shape(mix)
 
 
 def engine_args(model_dir, args):
