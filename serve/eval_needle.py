@@ -46,12 +46,12 @@ from serve.bench_e2e import (
     wait_until_healthy,
 )
 from serve.build_demo_model import EOS
+from serve.health import DIRECT
 from training.needle_task import PassKeyTask, answer_is_correct, load_tokenizer, random_key
 
 MAX_TOKENS = 8  # " NNNNN." is 3-4 tokens, then EOS
 START_TIMEOUT_S = 1200
 REQUEST_TIMEOUT_S = 1800
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
 def cell_prompts(task: PassKeyTask, context: int, depth: float, samples: int):
@@ -66,7 +66,7 @@ def complete(url: str, prompt_ids: list[int]) -> str:
     request = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with _DIRECT.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+    with DIRECT.open(request, timeout=REQUEST_TIMEOUT_S) as response:
         return json.loads(response.read())["choices"][0]["text"]
 
 
@@ -79,10 +79,9 @@ def evaluate_server(server: Server, task: PassKeyTask, opts) -> dict[str, dict[s
             for depth in opts.depths:
                 prompts = cell_prompts(task, context, depth, opts.samples)
                 completions = list(pool.map(lambda p: complete(server.url, p.prompt_ids), prompts))
-                row[f"{depth:g}"] = sum(answer_is_correct(c, p.key) for c, p in zip(completions, prompts)) / len(
-                    prompts
-                )
-                wrong = [(p.key, c) for c, p in zip(completions, prompts) if not answer_is_correct(c, p.key)]
+                right = [answer_is_correct(c, p.key) for c, p in zip(completions, prompts)]
+                row[f"{depth:g}"] = sum(right) / len(prompts)
+                wrong = [(p.key, c) for c, p, ok in zip(completions, prompts, right) if not ok]
                 if wrong:
                     print(f"[{server.name}] {context} depth {depth:g}: wrong (key, completion): {wrong}", flush=True)
             accuracy[str(context)] = row

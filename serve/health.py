@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback servers: never through a proxy
 
 
 class NotHealthyError(RuntimeError):
@@ -24,7 +24,7 @@ class NotHealthyError(RuntimeError):
 def health_status(url: str, timeout_s: float = 5.0) -> int | str:
     """GET {url}/health once: the HTTP status, or the name of the error that stopped the request."""
     try:
-        with _DIRECT.open(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+        with DIRECT.open(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
             return response.status
     except urllib.error.HTTPError as e:
         return e.code
