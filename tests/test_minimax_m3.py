@@ -412,9 +412,11 @@ def _engine_main(model_dir: str, backend: str, compare_to: str) -> None:
         block_size=128,
         max_model_len=8192,
         dtype="bfloat16",
-        # A fixed KV cache rather than a share of the free memory that vLLM profiles: other GPU work of the
-        # same machine (a training run) changes the free memory while the engine starts.
+        # A fixed KV cache rather than a share of the free memory that vLLM profiles (other GPU work of the
+        # same machine, a training run, changes the free memory while the engine starts); vLLM still wants
+        # this share of the GPU free at start-up.
         kv_cache_memory_bytes=4 << 30,
+        gpu_memory_utilization=0.3,
         seed=0,
     )
     [model_class] = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__name__}")
