@@ -41,7 +41,8 @@ selected blocks; dense: all K/V), prefill TFLOP/s the FLOPs it must do (index sc
 visible key, whole blocks; sparse attention: 4 D per query head and selected key, whole blocks; dense:
 4 Hq D per causal query-key pair), against the copy bandwidth and bf16 matmul rate measured in the run.
 
-Checks per shape, ours against vLLM: cosine of the whole layer output >= 0.99 and top-k agreement (the
+Checks per shape: each side's layer output finite (NaN or inf counted per side, so a failing side is
+named), and ours against vLLM: cosine of the whole layer output >= 0.99 and top-k agreement (the
 fraction of (token, index head) whose selected block sets are identical) >= 0.99. A failing shape is
 printed as MISMATCH when found, listed at the end and in the markdown, and the exit status is 1.
 
@@ -126,16 +127,17 @@ class Row:
     eager_layer: dict = field(default_factory=dict)  # decode: side -> eager layer time
     missing: dict = field(default_factory=dict)  # side ("vLLM", "dense") -> why it has no measured time
     extrapolated: bool = False  # times["dense"] extrapolated from a shorter context
+    nonfinite: dict = field(default_factory=dict)  # side ("ours", "vLLM") -> NaN/inf values in its layer output
 
     @property
     def label(self) -> str:
         return f"{self.phase} {self.context} x {self.batch}"
 
     def problems(self) -> list[str]:
-        """Disagreements with vLLM's side (none to check where it did not run)."""
+        """Non-finite outputs of either side, and disagreements with vLLM's (not checked where it did not run)."""
+        bad = [f"{side}'s output has {n} non-finite values" for side, n in self.nonfinite.items() if n]
         if "vLLM" in self.missing:
-            return []
-        bad = []
+            return bad
         if not self.cosine >= MIN_COSINE:  # also catches NaN
             bad.append(f"output cosine {self.cosine:.4f} < {MIN_COSINE}")
         if not self.topk_agreement >= MIN_TOPK_AGREEMENT:
@@ -421,8 +423,10 @@ def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, den
     ours = our_steps(case)
     dense_name, dense = dense_steps(case)
     our_selection, our_out = ours.index(), ours.layer()
+    nonfinite = {"ours": int((~our_out.isfinite()).sum())}
     vllm_run = run_vllm(case, smoke)
     row = Row(phase, context, batch, dense_name, math.nan, math.nan, math.nan, work(case, our_selection, decode))
+    row.nonfinite = nonfinite  # vLLM's count joins below where its side runs
     sides = [("ours", ours, our_selection)]
     if isinstance(vllm_run, str):
         row.missing["vLLM"] = vllm_run
@@ -430,6 +434,7 @@ def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, den
     else:
         vllms, their_selection, their_out = vllm_run
         sides.append(("vLLM", vllms, their_selection))
+        nonfinite["vLLM"] = int((~their_out.isfinite()).sum())
         row.cosine, row.min_token_cosine = cosines(our_out, their_out)
         row.topk_agreement = topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1])
         del their_out
