@@ -5,7 +5,9 @@ The training model (training/msa_model.py) must compute what FlashMSAForCausalLM
 exported checkpoint equal tests/reference_model.py's (the oracle of the vLLM integration) with dense and
 with MSA layers. The served test needs the trained checkpoint at models/needle-msa (skipped without it):
 through serve/eval_needle.py, FLASH_MSA answers 2K-token prompts (16 blocks, top-4) right, and the same
-weights with random index heads answer fewer of them.
+weights with random index heads answer fewer of them. The trained checkpoint's selections at M3's top-16
+(training/trained_selections.py, for the benchmarks) are valid causal picks whose neighbours agree more
+than random scores' do.
 """
 
 import json
@@ -20,10 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from msa_kernels import reference
+from msa_kernels.bench.problems import M3_SHAPE, load_trained_selections, mean_union
 from serve import eval_needle
 from serve.build_demo_model import EOS
 from tests.reference_model import ReferenceFlashMSA
 from tests.serving import free_port
+from training import trained_selections
 from training.msa_model import (
     FlashMSAForCausalLM,
     dense_block_mass,
@@ -232,3 +237,19 @@ def test_served_trained_index_heads_find_the_key_random_ones_do_not(tmp_path):
     random_heads = _served_accuracy(_with_random_index_heads(TRAINED, tmp_path / "random-index"), tmp_path / "random")
     assert trained == 1.0
     assert random_heads < trained
+
+
+@pytest.mark.skipif(not (TRAINED / "config.json").is_file(), reason="no trained checkpoint at models/needle-msa")
+def test_trained_selections_are_causal_top16_picks_whose_neighbours_agree_more_than_random(tmp_path):
+    out = tmp_path / "selections.pt"
+    assert trained_selections.main([str(TRAINED), "--contexts", "4096", "--out", str(out)]) == 0
+    [(context, selected)] = load_trained_selections(str(out), M3_SHAPE).items()  # M3's Hi 4 and top-16
+    own = torch.arange(context) // M3_SHAPE.block_size
+    assert context == 4096 and (selected == own[:, None, None]).any(-1).all(), "each token's own block is picked"
+    assert ((selected >= -1) & (selected <= own[:, None, None])).all(), "only causal blocks, -1 padding"
+    picked = selected.sort(-1).values
+    assert ((picked[..., 1:] != picked[..., :-1]) | (picked[..., 1:] < 0)).all(), "no block picked twice"
+    assert (selected[-1] >= 0).all(), "the last token sees 32 blocks and picks 16"
+    random_scores = torch.randn(context, M3_SHAPE.num_index_heads, context // M3_SHAPE.block_size)
+    random = reference.topk_blocks(random_scores, torch.arange(context), M3_SHAPE)
+    assert mean_union(selected, trained_selections.TILE_TOKENS) < mean_union(random, trained_selections.TILE_TOKENS)

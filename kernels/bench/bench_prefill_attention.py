@@ -16,7 +16,9 @@ The prefill kernel's cost follows the union size, so the block selections are ma
 degrees of agreement between neighbouring tokens (problems.prefill_problem: the block scores of
 token t are a moving sum of `window` independent normal draws; window 1: every token independent,
 the worst case for grouping). The table prints the measured mean union per 4-token group (16 =
-every token picked the same blocks, 61 = none shared beyond the local block).
+every token picked the same blocks, 61 = none shared beyond the local block). --trained FILE adds a row
+per context the file holds (training/trained_selections.py: the selections of the pass-key model trained
+with MSA, models/needle-msa, at M3's top-16): window "trained".
 
 Useful FLOPs = 4 * tokens * Hq * D * keys of whole selected blocks (the per-token definition; the
 prefill kernel's masked rows are not counted), against the bf16 matmul rate measured in the same
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, mean_union, prefill_problem
+from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, load_trained_selections, mean_union, prefill_problem
 from msa_kernels.bench.timing import ceilings, timed
 from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
@@ -50,7 +52,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--trained", help="training/trained_selections.py's file: a row per context it holds")
     args = parser.parse_args()
+    trained = load_trained_selections(args.trained) if args.trained else {}
     start = time.time()
     bw, flops = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s\n")
@@ -59,10 +63,14 @@ def main():
         "| adaptive / per-token | output cosine | dense SDPA ms | dense / adaptive |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for context in args.contexts:
+    for context in sorted({*args.contexts, *trained}):
         t_dense = dense_time(context)
-        for window in args.windows:
-            batch, q, kv, selected = prefill_problem(context, window, seed=context + window)
+        windows = [*(args.windows if context in args.contexts else []), *(["trained"] if context in trained else [])]
+        for window in windows:
+            if window == "trained":
+                batch, q, kv, selected = prefill_problem(context, 1, seed=context, selected=trained[context])
+            else:
+                batch, q, kv, selected = prefill_problem(context, window, seed=context + window)
             useful = (
                 4
                 * (selected >= 0).sum().item()

@@ -1,12 +1,15 @@
 """Benchmark: CuTeDSL MSA layer steps vs dense attention on the same shapes, on one GPU, in one run.
 
-    python kernels/bench/bench_sparse_attention.py   (on the GPU machine, CuTeDSL installed)
+    python kernels/bench/bench_sparse_attention.py [--trained FILE]   (on the GPU machine, CuTeDSL installed)
 
 M3 shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, k 16, bf16. Ceilings measured in the same run:
 device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA on contiguous K/V
 (the backend it picked is printed). Block selections come from random block scores: decode cost
 depends only on how many blocks are picked; prefill attention's on how many neighbouring tokens
-share (bench_prefill_attention.py measures that).
+share (bench_prefill_attention.py measures that). --trained FILE (training/trained_selections.py) adds
+decode rows whose sparse attention reads the blocks the trained pass-key model selects: the last `batch`
+tokens of its prompt of that context, one per sequence (its index heads often pick the same blocks,
+which the random rows' heads hardly do).
 
 decode:  one query token per sequence; sparse attention (sparse_attn.sparse_attention, split-K) bytes =
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
@@ -17,6 +20,7 @@ prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.pre
          Dp * tokens x keys of the visible blocks; MSA layer as for decode.
 """
 
+import argparse
 import time
 
 import torch
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from msa_kernels import ops
-from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
+from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
 from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 
@@ -57,30 +61,34 @@ def selected_kv_bytes(batch: int, context: int) -> int:
     return batch * M3_SHAPE.num_index_heads * blocks * M3_SHAPE.block_size * M3_SHAPE.head_dim * 2 * 2
 
 
-def decode(bw):
+def decode(bw, trained: dict):
     print("\n## decode (one token per sequence; CUDA-graph times, eager in brackets)\n")
-    print("| context | batch | sparse attn us | GB/s | % copy bw | MSA layer us | dense SDPA us | MSA layer vs dense |")
-    print("|---|---|---|---|---|---|---|---|")
-    for context in CONTEXTS:
-        for batch in DECODE_BATCHES:
-            pb, q, index_q, kv, index_keys, selected = paged_problem([(context, 1)] * batch)
-            sparse = lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE)  # noqa: E731
-            layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE)  # noqa: E731
-            t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
-            t_layer_eager = timed(layer)
-            nbytes = selected_kv_bytes(batch, context)
-            dq = q.view(batch, 1, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
-            dk = torch.randn(
-                batch, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16
-            )
-            name, dense = dense_attention(dq, dk, torch.randn_like(dk))
-            t_dense = graph_timed(dense)
-            del dk
-            print(
-                f"| {context} | {batch} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
-                f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
-                f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |"
-            )
+    print(
+        "| context | batch | selection | sparse attn us | GB/s | % copy bw | MSA layer us | dense SDPA us "
+        "| MSA layer vs dense |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = [(context, batch, "random") for context in CONTEXTS for batch in DECODE_BATCHES]
+    rows += [(context, batch, "trained") for context in sorted(trained) for batch in DECODE_BATCHES]
+    for context, batch, selection in rows:
+        pb, q, index_q, kv, index_keys, selected = paged_problem([(context, 1)] * batch)
+        if selection == "trained":  # the sparse attention reads the trained model's picks (the layer its own)
+            selected = trained[context][-batch:].to(selected.device)
+        sparse = lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE)  # noqa: E731
+        layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE)  # noqa: E731
+        t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
+        t_layer_eager = timed(layer)
+        nbytes = selected_kv_bytes(batch, context)
+        dq = q.view(batch, 1, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
+        dk = torch.randn(batch, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+        name, dense = dense_attention(dq, dk, torch.randn_like(dk))
+        t_dense = graph_timed(dense)
+        del dk
+        print(
+            f"| {context} | {batch} | {selection} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
+            f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
+            f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |"
+        )
 
 
 def decode_splits(bw):
@@ -139,13 +147,17 @@ def prefill(flops):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trained", help="training/trained_selections.py's file: decode rows with its selections")
+    args = parser.parse_args()
+    trained = load_trained_selections(args.trained) if args.trained else {}
     t0 = time.time()
     bw, flops = ceilings()
     print(
         f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), "
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
-    decode(bw)
+    decode(bw, trained)
     decode_splits(bw)
     prefill(flops)
     print(f"\ntotal {time.time() - t0:.0f} s")

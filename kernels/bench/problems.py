@@ -6,8 +6,9 @@ CONTEXTS   the context lengths of the tables; DECODE_BATCHES the decode batch si
 paged_problem  random bf16 caches, queries and a block selection for a batch of (context, new tokens)
                requests, laid out as vLLM lays them out (decode requests first where the batch mixes)
 prefill_problem  one sequence whose tokens are all new, with selections whose neighbouring tokens agree
-               to a chosen degree (what the prefill attention kernel's cost follows); mean_union
-               measures that agreement
+               to a chosen degree (what the prefill attention kernel's cost follows), or a given one;
+               mean_union measures that agreement
+load_trained_selections  the selections a model trained with MSA makes (training/trained_selections.py)
 """
 
 import torch
@@ -76,9 +77,11 @@ def correlated_scores(
     return out
 
 
-def prefill_problem(context: int, window: int, seed: int, shape: MSAShape = M3_SHAPE):
+def prefill_problem(
+    context: int, window: int, seed: int, shape: MSAShape = M3_SHAPE, selected: torch.Tensor | None = None
+):
     """One sequence of `context` new tokens on the GPU: the batch, q, the K/V cache and a selection made
-    from correlated_scores(window)."""
+    from correlated_scores(window), or `selected` [context, Hi, k] where given (window unused)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     b = shape.block_size
     blocks = -(-context // b)
@@ -90,8 +93,25 @@ def prefill_problem(context: int, window: int, seed: int, shape: MSAShape = M3_S
         seq_lens=torch.tensor([context], device="cuda", dtype=torch.int32),
         block_table=pages,
     )
-    selected = reference.topk_blocks(correlated_scores(context, blocks, window, g, shape), batch.positions, shape)
-    return batch, q, kv, selected
+    if selected is None:
+        selected = reference.topk_blocks(correlated_scores(context, blocks, window, g, shape), batch.positions, shape)
+    return batch, q, kv, selected.to("cuda", torch.int32)
+
+
+def load_trained_selections(path: str, shape: MSAShape = M3_SHAPE) -> dict[int, torch.Tensor]:
+    """{context: int32 [context, Hi, k] selection} of training/trained_selections.py's file: the blocks the
+    trained pass-key model's index heads rank highest on a prompt of that length (its Hi and the file's k
+    must be the shape's)."""
+    saved = torch.load(path)
+    selections = {int(context): selected.int() for context, selected in saved["contexts"].items()}
+    for context, selected in selections.items():
+        if tuple(selected.shape) != (context, shape.num_index_heads, shape.topk_blocks):
+            raise SystemExit(
+                f"{path}: the {context}-token selection is {list(selected.shape)}, not [{context}, "
+                f"{shape.num_index_heads}, {shape.topk_blocks}] (rerun training/trained_selections.py with "
+                f"--topk {shape.topk_blocks})"
+            )
+    return selections
 
 
 def mean_union(selected: torch.Tensor, tokens: int) -> float:
