@@ -62,6 +62,14 @@ Issue 4 on one H200 (the three M3 configurations, started together):
 (--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
 which the other servers starting at the same time change.)
 
+A 1M-token prompt on one H200 (issue 18: FLASH_MSA against dense on the same 1M-position weights; the
+8192-token run first compiles the kernels, so --warmups 0 keeps a second 1M prompt out of the time):
+
+    python3 serve/build_m3_model.py /tmp/m3a1m --preset m3-attention-1m
+    python3 serve/bench_e2e.py /tmp/m3a1m --only FLASH_MSA dense --input-lens 8192 1048000 --output-len 16 \\
+        --num-prompts 1 --concurrency 1 --warmups 0 --parallel-start --startup-timeout 600 \\
+        --bench-timeout 300 --out /tmp/e2e1m -- --kv-cache-memory-bytes 30G
+
 Speculative decoding on one H200 (FLASH_MSA with and without n-gram speculation, M3's attention shapes):
 
     python3 serve/build_demo_model.py /tmp/msa-m3 --preset m3-attention
