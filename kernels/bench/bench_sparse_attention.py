@@ -8,8 +8,8 @@ device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA o
 depends only on how many blocks are picked; prefill attention's on how many neighbouring tokens
 share (bench_prefill_attention.py measures that). --trained FILE (training/trained_selections.py) adds
 decode rows whose sparse attention reads the blocks the trained pass-key model selects: the last `batch`
-tokens of its prompt of that context, one per sequence (its index heads often pick the same blocks,
-which the random rows' heads hardly do).
+tokens of its prompt of that context, one per sequence (each index head reads its own KV head's pages,
+so the time should follow the number of blocks, not which: the rows check it).
 
 decode:  one query token per sequence; sparse attention (sparse_attn.sparse_attention, split-K) bytes =
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
