@@ -20,6 +20,7 @@ else the PyTorch reference (kernels/reference.py):
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
                                                            sparse_attn.py (K/V cache contiguous)
+                      (an FP8 K/V cache: the reference in both phases)
 
 A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
 step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
@@ -304,9 +305,15 @@ def sparse_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given)."""
+    """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given).
+
+    An FP8 K/V cache (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) runs the reference:
+    no kernel reads FP8 K/V yet."""
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
+    if reference.is_fp8_kv(kv_cache):
+        return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
     contiguous = kv_cache.is_contiguous()
     for rows, part in _parts(batch):
         attend = (
@@ -327,7 +334,8 @@ def msa_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks)."""
     selected = select_blocks(index_q, index_key_cache, batch, shape)
-    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out), selected
+    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales), selected

@@ -10,6 +10,9 @@ Layouts (vLLM's, page size == block size B):
   index_key_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
   or an FP8 index-key cache (msa_kernels.fp8_index_keys: e4m3 pages with per-token float32 scales), scored
   as FP8 MMAs score it: keys dequantised (e4m3 x scale), index queries rounded to FP8 the same way.
+  An FP8 K/V cache is vLLM's (--kv-cache-dtype fp8): uint8 storage of the e4m3 values of K / k_scale and
+  V / v_scale, one float scale per tensor (kv_scales = (k_scale, v_scale)), written saturated at +-448 as vLLM's
+  cache op writes them; sparse_attention reads them back as e4m3 x scale.
 Selections hold logical block numbers of the request (not page ids), ascending, -1 at the end.
 
 Work is vectorised per request and per chunk of query tokens (bounded memory); the only Python
@@ -18,8 +21,10 @@ loops are over requests and query chunks. Arithmetic runs in float32, or float64
 
 import torch
 
-from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows, round_trip
+from msa_kernels.fp8_index_keys import E4M3_MAX, Fp8IndexKeyCache, quantize_rows, round_trip
 from msa_kernels.shapes import MSAShape, PagedBatch
+
+FP8_KV_STORAGE = torch.uint8  # how vLLM allocates an FP8 K/V cache; the bytes are torch.float8_e4m3fn values
 
 # Upper bound on elements of one [query chunk, heads, keys] score tile.
 _TILE_ELEMENTS = 1 << 23
@@ -27,6 +32,11 @@ _TILE_ELEMENTS = 1 << 23
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def is_fp8_kv(kv_cache: torch.Tensor) -> bool:
+    """Whether a K/V cache (or one of its K or V views) is an FP8 cache as vLLM allocates it."""
+    return kv_cache.dtype == FP8_KV_STORAGE
 
 
 def _query_chunks(q_start: int, q_end: int, heads: int, keys: int):
@@ -111,11 +121,12 @@ def sparse_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Exact-softmax causal GQA attention over the selected blocks only, [T, Hq, D] in q's dtype.
 
     selected: [T, Hi, K] logical blocks (-1 = empty slot); main head g reads index head g // m's
-    blocks and KV head g // (Hq / Hkv).
+    blocks and KV head g // (Hq / Hkv). kv_scales: (k_scale, v_scale) of an FP8 K/V cache (is_fp8_kv).
     """
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     hkv, bs = shape.num_kv_heads, shape.block_size
@@ -135,7 +146,7 @@ def sparse_attention(
             column[used] = torch.arange(len(used), device=sel.device)
             block_mask = torch.zeros(n, shape.num_index_heads, len(used) + 1, dtype=torch.bool, device=sel.device)
             block_mask.scatter_(2, column[torch.where(sel < 0, num_blocks, sel)], True)
-            kv = kv_cache[pages[used]].to(dtype)  # [u, 2, B, Hkv, D]
+            kv = _read_kv(kv_cache[pages[used]], dtype, kv_scales)  # [u, 2, B, Hkv, D]
             key_pos = (used[:, None] * bs + torch.arange(bs, device=sel.device)).flatten()
             keys = kv[:, 0].reshape(-1, hkv, d)
             # The last page's slots past seq_len hold stale data: zero them so 0-weight * NaN cannot leak.
@@ -152,15 +163,27 @@ def sparse_attention(
     return out
 
 
-def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+def _read_kv(pages: torch.Tensor, dtype: torch.dtype, kv_scales: tuple[float, float]) -> torch.Tensor:
+    """K/V pages [u, 2, B, Hkv, D] in dtype: FP8 ones dequantised (e4m3 x k_scale, x v_scale)."""
+    if not is_fp8_kv(pages):
+        return pages.to(dtype)
+    kv = pages.view(torch.float8_e4m3fn).to(dtype)
+    return kv * torch.tensor(kv_scales, dtype=dtype, device=kv.device).view(1, 2, 1, 1, 1)
+
+
+def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor, fp8_scale: float = 1.0) -> None:
     """Store per-token rows into a paged cache [num_pages, B, ...] at flat slots; slots < 0 are skipped.
 
-    cache may be a strided view (e.g. kv_cache[:, 0]); values holds at least len(slot_mapping) rows.
+    cache may be a strided view (e.g. kv_cache[:, 0]); values holds at least len(slot_mapping) rows. An FP8 K/V
+    cache (is_fp8_kv) gets the e4m3 values of values / fp8_scale, saturated at +-448.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = cache.shape[1]
-    cache[slots // block_size, slots % block_size] = values[: slot_mapping.shape[0]][keep].to(cache.dtype)
+    rows = values[: slot_mapping.shape[0]][keep]
+    if is_fp8_kv(cache):
+        rows = (rows.float() / fp8_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(FP8_KV_STORAGE)
+    cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
 
 
 def write_index_keys(

@@ -3,7 +3,8 @@
 The oracle for the vLLM integration: greedy decoding re-runs the whole sequence each step (no KV
 cache), so nothing vLLM does (paging, prefix caching, chunking, batching) can leak into it. MSA
 layers use msa_kernels.reference on a one-request batch with pages in order, the index keys in the format
-msa_config.indexer_kv_dtype names (auto: the model's dtype; bf16; fp8: quantised per token).
+msa_config.indexer_kv_dtype names (auto: the K/V cache's; bf16; fp8: quantised per token), K/V in the model's
+dtype or, with kv_cache_dtype "fp8", in e4m3 as vLLM's FP8 K/V cache holds them (scale 1.0).
 """
 
 import json
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.ops import msa_attention
+from msa_kernels.reference import FP8_KV_STORAGE, write_paged
 from msa_kernels.shapes import PagedBatch
 from vllm_msa.config import MSAModelConfig, index_key_dtype
 
@@ -37,13 +39,20 @@ def _rope(x, positions, theta):
 
 
 class ReferenceFlashMSA:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, msa_overrides: dict | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        msa_overrides: dict | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         raw["msa_config"] = raw["msa_config"] | (msa_overrides or {})
         self.config = _Config(raw)
         self.msa = MSAModelConfig.from_hf_config(self.config)
         self.shape = self.msa.layer_shape(self.config)
-        self.index_key_dtype = index_key_dtype(self.msa.indexer_kv_dtype, dtype)
+        self.fp8_kv = kv_cache_dtype == "fp8"
+        self.index_key_dtype = index_key_dtype(self.msa.indexer_kv_dtype, FP8_KV_STORAGE if self.fp8_kv else dtype)
         self.w = {k: v.to(dtype) for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
 
     def _attention(self, i, x, positions):
@@ -69,6 +78,11 @@ class ReferenceFlashMSA:
         kv_cache = torch.nn.functional.pad(kv_cache, (0, 0, 0, 0, 0, pad)).view(
             2, num_pages, s.block_size, *k.shape[1:]
         )
+        if self.fp8_kv:
+            fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE)
+            write_paged(fp8[0], torch.arange(n), k)
+            write_paged(fp8[1], torch.arange(n), v)
+            kv_cache = fp8
         index_keys = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
         if self.index_key_dtype == Fp8IndexKeyCache.dtype:
             index_keys = Fp8IndexKeyCache.quantize(index_keys)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.reference import FP8_KV_STORAGE
 from vllm_msa.config import MSAConfigError, MSAModelConfig, index_key_dtype, served_indexer_kv_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +128,24 @@ def test_indexer_kv_dtype_comes_from_the_attention_config_else_msa_config_and_na
     assert index_key_dtype("auto", torch.float32) == torch.float32
     assert index_key_dtype("bf16", torch.float32) == torch.bfloat16
     assert index_key_dtype("fp8", torch.bfloat16) == index_key_dtype("fp8_e4m3", torch.float32) == fp8
+    assert index_key_dtype("auto", FP8_KV_STORAGE) == fp8  # an FP8 K/V cache: FP8 index keys, as vLLM's auto
+    assert index_key_dtype("bf16", FP8_KV_STORAGE) == torch.bfloat16
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_fp8_kv_cache_is_served_on_cpu_and_refused_by_name_on_gpus(device_type):
+    from vllm_msa.config import _check_cache
+
+    cache = SimpleNamespace(block_size=128, user_specified_block_size=False, cache_dtype="fp8")
+    vllm_config = SimpleNamespace(cache_config=cache, device_config=SimpleNamespace(device_type=device_type))
+    vllm_config.attention_config = _attention_config("auto").attention_config
+    msa = MSAModelConfig.from_hf_config(_HF(msa_config=MSA))
+    if device_type == "cuda":
+        with pytest.raises(MSAConfigError, match="--kv-cache-dtype fp8 is served on CPU only so far"):
+            _check_cache(vllm_config, msa)
+    else:
+        _check_cache(vllm_config, msa)
+        assert cache.block_size == 128
 
 
 def test_fp8_index_key_pages_budget_values_and_scales():

@@ -8,7 +8,7 @@ import torch
 
 from msa_kernels import ops
 from msa_kernels.ops import msa_attention
-from msa_kernels.reference import index_block_scores, sparse_attention, topk_blocks, write_paged
+from msa_kernels.reference import FP8_KV_STORAGE, index_block_scores, sparse_attention, topk_blocks, write_paged
 from msa_kernels.shapes import PagedBatch
 from msa_kernels.testing import make_case, small_shape
 from tests.naive_msa import naive_msa
@@ -134,6 +134,33 @@ def test_write_paged_skips_padding_slots_and_handles_strided_views():
     flat = cache[:, 1].reshape(-1, 1, 2)
     assert flat[5].tolist() == [[0.0, 1.0]] and flat[0].tolist() == [[4.0, 5.0]] and flat[11].tolist() == [[6.0, 7.0]]
     assert cache[:, 0].abs().sum() == 0 and flat.abs().sum() == sum(range(8)) - 2 - 3
+
+
+def test_fp8_kv_cache_is_written_as_e4m3_of_value_over_scale_and_attended_dequantised():
+    """An FP8 K/V cache (vLLM's uint8 storage): rows written as e4m3(x / scale), saturated at +-448; attention reads
+    e4m3 x scale, so it equals attention on the dequantised values exactly, and the bf16 cache's within FP8's
+    rounding."""
+    shape = small_shape(num_index_heads=4)
+    case = make_case(shape, [1, 45, 1], [96, 45, 300], dtype=torch.float32, seed=5)
+    kv_scales = (0.5, 2.0)
+    fp8_cache = torch.zeros(case.kv_cache.shape, dtype=FP8_KV_STORAGE)
+    slots = torch.arange(case.kv_cache.shape[0] * shape.block_size)
+    for i, scale in enumerate(kv_scales):
+        write_paged(fp8_cache[:, i], slots, case.kv_cache[:, i].flatten(0, 1), fp8_scale=scale)
+    dequantised = fp8_cache.view(torch.float8_e4m3fn).float() * torch.tensor(kv_scales).view(1, 2, 1, 1, 1)
+    selected = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape)
+    args = (case.batch, selected, shape, case.scale)
+    got = sparse_attention(case.q, fp8_cache, *args, kv_scales=kv_scales)
+    assert torch.equal(got, sparse_attention(case.q, dequantised, *args))
+    assert torch.equal(ops.sparse_attention(case.q, fp8_cache, *args, kv_scales=kv_scales), got)
+    full = sparse_attention(case.q, case.kv_cache, *args)
+    assert torch.isfinite(got).all()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), full.flatten(), dim=0) > 0.999
+    assert (got - full).norm() / full.norm() < 0.05  # e4m3 keeps 3 mantissa bits: ~2% per element
+    huge = torch.full((1, 1, 1), 1e4)  # past 448 x scale: saturated, not inf
+    cache = torch.zeros(1, 4, 1, 1, dtype=FP8_KV_STORAGE)
+    write_paged(cache, torch.tensor([2]), huge, fp8_scale=2.0)
+    assert cache.view(torch.float8_e4m3fn).float()[0, 2].item() == 448.0
 
 
 def test_invalid_shapes_are_rejected_with_the_reason():

@@ -32,9 +32,9 @@ BAD_CONFIGS = {
         ["--block-size", "64", *_hf_overrides(block_size=64)],
         "msa_config.block_size 64 is not served",
     ),
-    "an fp8 KV cache": (
-        ["--kv-cache-dtype", "fp8"],
-        "--kv-cache-dtype fp8 is not served",
+    "a KV cache format FLASH_MSA does not serve": (
+        ["--kv-cache-dtype", "fp8_e5m2"],
+        "--kv-cache-dtype fp8_e5m2 is not served",
     ),
     "an index-key format FLASH_MSA does not serve": (
         ["--attention-config", json.dumps({"indexer_kv_dtype": "nvfp4"})],

@@ -16,6 +16,9 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
               ranks hold the KV head, the index head and the index keys (vLLM's KV-head replication)
   msa_fp8     as msa_tight with FP8 index keys (msa_config.indexer_kv_dtype fp8): the concurrent prompts
               twice in 36 pages; msa_fp8_plain the same model without prefix caching or chunked prefill
+  msa_fp8_kv  as msa_fp8 with an FP8 K/V cache (--kv-cache-dtype fp8; index keys then FP8 too), on a demo
+              variant whose layers are all MSA (a dense layer runs vLLM's CPU attention, whose FP8 K/V needs
+              AVX-512 or AMX)
 Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
@@ -166,6 +169,34 @@ def msa_fp8_tokens(demo_model, concurrent_prompts):
         enable_prefix_caching=True,
         max_num_batched_tokens=512,
         kv_cache_memory_bytes=36 * FP8_PAGE_BYTES,
+        disable_log_stats=False,
+    ) as llm:
+        first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    return first, second, metrics, pages
+
+
+FP8_KV_PAGE_BYTES = 128 * 4 * (128 + 36)  # per MSA layer: e4m3 K/V (2 heads x 32 x 2), e4m3 index keys + scale
+
+
+@pytest.fixture(scope="module")
+def all_msa_model(tmp_path_factory):
+    """The demo with every layer MSA (index projections in layer 0 too)."""
+    from serve.build_demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "all-msa", msa_config={"dense_layers": []})
+
+
+@pytest.fixture(scope="module")
+def msa_fp8_kv_tokens(all_msa_model, concurrent_prompts):
+    """The concurrent prompts twice in 36 FP8 pages: tokens of each pass, metrics, pages."""
+    with engine(
+        all_msa_model,
+        kv_cache_dtype="fp8",
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        kv_cache_memory_bytes=36 * FP8_KV_PAGE_BYTES,
         disable_log_stats=False,
     ) as llm:
         first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
@@ -331,6 +362,19 @@ def test_fp8_index_keys_give_the_reference_models_tokens_under_prefix_caching_ch
     assert first == msa_fp8_plain_tokens and second == msa_fp8_plain_tokens
     reference = ReferenceFlashMSA(demo_model, msa_overrides=FP8_INDEX_KEYS)
     for prompt, got in zip(concurrent_prompts, msa_fp8_plain_tokens):
+        assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
+
+
+def test_fp8_kv_cache_holds_its_pages_at_e4m3_bytes_and_gives_the_reference_models_tokens(
+    all_msa_model, concurrent_prompts, msa_fp8_kv_tokens
+):
+    first, second, metrics, pages = msa_fp8_kv_tokens
+    print(f"\nFP8 K/V, 36 pages: {metrics['vllm:num_preemptions']:.0f} preemptions")
+    assert pages == 36  # vLLM budgets the pages at their e4m3 bytes: ~4x the tokens the fp32 cache holds in them
+    assert metrics["vllm:num_preemptions"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
+    assert first == second
+    reference = ReferenceFlashMSA(all_msa_model, kv_cache_dtype="fp8")
+    for prompt, got in zip(concurrent_prompts, first):
         assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
 
 

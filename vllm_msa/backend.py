@@ -48,7 +48,7 @@ from msa_kernels import ops, reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
-from vllm_msa.config import SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
+from vllm_msa.config import FP8_CACHE_DTYPES, SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
 from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
 
@@ -209,7 +209,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value)
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, kv_scales(layer))
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
@@ -269,7 +269,9 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         every_block = torch.arange(max_blocks, dtype=torch.int32, device=query.device)
         selected = every_block.expand(n, shape.num_index_heads, max_blocks)
         selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
-        ops.sparse_attention(query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n])
+        ops.sparse_attention(
+            query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n], kv_scales=kv_scales(layer)
+        )
         return output
 
 
@@ -356,12 +358,14 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
     layout = msa.rank_layout(hf_config, tp_size, tp_rank)
     device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
     keys = served_index_key_dtype(vllm_config, msa)
+    fp8_kv = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
     logger.info(
-        "%s: MSA layers %s on FLASH_MSA (%s; index keys %s; top-%d of %d-token blocks, %d local, %d init; %s), "
-        "dense layers %s %s",
+        "%s: MSA layers %s on FLASH_MSA (%s; K/V %s; index keys %s; top-%d of %d-token blocks, %d local, %d init; "
+        "%s), dense layers %s %s",
         model,
         msa.sparse_layers(hf_config.num_hidden_layers),
         ops.describe(device, dtype, shape, index_key_dtype=keys),
+        "fp8 (e4m3, a scale per tensor)" if fp8_kv else str(dtype).removeprefix("torch."),
         "fp8 (e4m3, a float32 scale per token)" if keys == Fp8IndexKeyCache.dtype else str(keys).removeprefix("torch."),
         msa.topk_blocks,
         msa.block_size,
@@ -383,6 +387,11 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
             shape.block_size,
             dtype,
         )
+
+
+def kv_scales(layer: torch.nn.Module) -> tuple[float, float]:
+    """(k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache (1.0 unless its checkpoint carries scales)."""
+    return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -410,14 +419,16 @@ def write_paged(
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    fp8_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); elsewhere the
-    reference.
+    reference, which writes an FP8 K/V cache (CPU only: config.FP8_CACHE_DTYPES) as key / k_scale and value /
+    v_scale in e4m3 (fp8_scales = (k_scale, v_scale)).
     """
     if key_cache.is_cuda:
         compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value)
         return
-    reference.write_paged(key_cache, slot_mapping, key)
-    reference.write_paged(value_cache, slot_mapping, value)
+    reference.write_paged(key_cache, slot_mapping, key, fp8_scales[0])
+    reference.write_paged(value_cache, slot_mapping, value, fp8_scales[1])

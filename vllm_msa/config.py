@@ -26,6 +26,7 @@ import torch
 from vllm.logger import init_logger
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.reference import FP8_KV_STORAGE
 from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
-SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values FLASH_MSA serves: no fp8
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")  # --kv-cache-dtype values FLASH_MSA serves
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache: the PyTorch path reads it, so CPU only for now
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
 SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
@@ -228,9 +230,11 @@ def served_indexer_kv_dtype(vllm_config: "VllmConfig", msa: MSAModelConfig) -> s
 
 
 def index_key_dtype(indexer_kv_dtype: str, kv_cache_dtype: torch.dtype) -> torch.dtype:
-    """The index-key cache's dtype for an indexer_kv_dtype value: auto gives the K/V cache's; Fp8IndexKeyCache.dtype
-    stands for an FP8 cache (e4m3 pages with per-token scales)."""
-    return kv_cache_dtype if indexer_kv_dtype == "auto" else INDEX_KEY_DTYPES[indexer_kv_dtype]
+    """The index-key cache's dtype for an indexer_kv_dtype value: auto gives the K/V cache's (an FP8 K/V cache: FP8
+    index keys); Fp8IndexKeyCache.dtype stands for an FP8 cache (e4m3 pages with per-token scales)."""
+    if indexer_kv_dtype != "auto":
+        return INDEX_KEY_DTYPES[indexer_kv_dtype]
+    return Fp8IndexKeyCache.dtype if kv_cache_dtype == FP8_KV_STORAGE else kv_cache_dtype
 
 
 def served_index_key_dtype(vllm_config: "VllmConfig", msa: MSAModelConfig) -> torch.dtype:
@@ -281,9 +285,17 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
         )
     if cache.cache_dtype not in SERVED_CACHE_DTYPES:
         raise MSAConfigError(
-            f"FLASH_MSA keeps K/V in the model's dtype: --kv-cache-dtype {cache.cache_dtype} is not served; leave it "
-            f"out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
+            f"FLASH_MSA keeps K/V in the model's dtype or in e4m3: --kv-cache-dtype {cache.cache_dtype} is not served; "
+            f"leave it out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
             '\'{"indexer_kv_dtype": "fp8"}\''
+        )
+    device_type = getattr(vllm_config.device_config, "device_type", "cpu")
+    if cache.cache_dtype in FP8_CACHE_DTYPES and device_type != "cpu":
+        raise MSAConfigError(
+            f"--kv-cache-dtype {cache.cache_dtype} is served on CPU only so far: FLASH_MSA's {device_type} kernels "
+            "read K/V in the model's dtype (the PyTorch path that reads e4m3 K/V would make every step slow); leave it "
+            "out. "
+            'FP8 index keys run on the GPU: --attention-config \'{"indexer_kv_dtype": "fp8"}\''
         )
     served_indexer_kv_dtype(vllm_config, msa)
     cache.block_size = msa.block_size
