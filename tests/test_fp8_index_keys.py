@@ -198,14 +198,16 @@ def test_ops_writes_fp8_index_keys_off_hopper_through_the_reference():
 
 
 def test_agreement_benchmark_counts_sets_blocks_and_cosines():
-    """kernels/bench/fp8_index_agreement.py's bookkeeping: with top-k covering every block nothing can differ."""
-    from msa_kernels.bench.fp8_index_agreement import Agreement, random_inputs
+    """kernels/bench/fp8_agreement.py's bookkeeping: with top-k covering every block nothing can differ."""
+    from msa_kernels.bench.fp8_agreement import Agreement, random_inputs
 
     every_block = _shape(num_index_key_heads=1, index_head_dim=128, topk_blocks=8, block_size=128)
     agreement = Agreement()
     agreement.add(random_inputs(every_block, 1000, tokens=4, seed=0))  # 8 blocks
     assert (agreement.sets, agreement.identical, agreement.blocks, agreement.shared_blocks) == (16, 16, 128, 128)
     assert torch.cat(agreement.cosines).min().item() > 1 - 1e-6
+    kv_cosines = torch.cat(agreement.kv_cosines)  # e4m3 K/V: close to the bf16 output, not equal
+    assert kv_cosines.min().item() > 0.99 and kv_cosines.max().item() < 1 - 1e-6
     sparse = Agreement()
     sparse.add(random_inputs(_shape(num_index_key_heads=1, index_head_dim=128, block_size=16), 1000, 32, seed=0))
     assert sparse.sets == 128 and sparse.blocks == 128 * 3 and sparse.identical < sparse.sets  # top-3 of 63

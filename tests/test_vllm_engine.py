@@ -160,21 +160,26 @@ FP8_INDEX_KEYS = {"indexer_kv_dtype": "fp8"}
 FP8_PAGE_BYTES = 128 * (2048 + 3 * 36)  # fp32 K/V of 4 layers, e4m3 index keys (32 B) + a float32 scale in 3
 
 
-@pytest.fixture(scope="module")
-def msa_fp8_tokens(demo_model, concurrent_prompts):
-    """The concurrent prompts twice in 36 pages (4608 tokens): tokens of each pass, metrics, pages."""
+def twice_in_36_pages(model_dir, prompts, page_bytes, **kwargs):
+    """The prompts twice in a cache of 36 pages of page_bytes (4608 tokens; prefix caching, chunked prefill):
+    tokens of each pass, metrics, the pages vLLM made of those bytes."""
     with engine(
-        demo_model,
-        msa_overrides=FP8_INDEX_KEYS,
+        model_dir,
         enable_prefix_caching=True,
         max_num_batched_tokens=512,
-        kv_cache_memory_bytes=36 * FP8_PAGE_BYTES,
+        kv_cache_memory_bytes=36 * page_bytes,
         disable_log_stats=False,
+        **kwargs,
     ) as llm:
-        first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
+        first, second = greedy(llm, prompts), greedy(llm, prompts)
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     return first, second, metrics, pages
+
+
+@pytest.fixture(scope="module")
+def msa_fp8_tokens(demo_model, concurrent_prompts):
+    return twice_in_36_pages(demo_model, concurrent_prompts, FP8_PAGE_BYTES, msa_overrides=FP8_INDEX_KEYS)
 
 
 FP8_KV_PAGE_BYTES = 128 * 4 * (128 + 36)  # per MSA layer: e4m3 K/V (2 heads x 32 x 2), e4m3 index keys + scale
@@ -190,19 +195,7 @@ def all_msa_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def msa_fp8_kv_tokens(all_msa_model, concurrent_prompts):
-    """The concurrent prompts twice in 36 FP8 pages: tokens of each pass, metrics, pages."""
-    with engine(
-        all_msa_model,
-        kv_cache_dtype="fp8",
-        enable_prefix_caching=True,
-        max_num_batched_tokens=512,
-        kv_cache_memory_bytes=36 * FP8_KV_PAGE_BYTES,
-        disable_log_stats=False,
-    ) as llm:
-        first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    return first, second, metrics, pages
+    return twice_in_36_pages(all_msa_model, concurrent_prompts, FP8_KV_PAGE_BYTES, kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")

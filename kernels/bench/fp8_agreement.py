@@ -1,12 +1,13 @@
-"""FP8 against bf16 index keys: how often the selected blocks agree, what that does to the attention output and to
-greedy tokens. Runs on CPU (the reference defines what the kernels compute), from the repository root:
+"""FP8 against bf16 caches: how often the blocks selected over FP8 index keys agree with bf16's, what FP8 index keys
+and an FP8 K/V cache do to the attention output, and to greedy tokens. Runs on CPU (the reference defines what the
+kernels compute), from the repository root:
 
-    PYTHONPATH=. python -m msa_kernels.bench.fp8_index_agreement [--contexts 4096 16384 65536 131072]
+    PYTHONPATH=. python -m msa_kernels.bench.fp8_agreement [--contexts 4096 16384 65536 131072]
         [--tokens 32] [--demo-contexts 2048 8192 32768] [--m3-contexts 2048 8192]
         [--greedy-lengths 1024 2048 4096] [--greedy-tokens 16] [--models-dir DIR]
 
-One MSA layer's decode queries at the last --tokens positions of one context (one request each), selected
-over a bf16 index-key cache (bf16 index queries) and over the FP8 cache of the same bf16 keys
+Index keys: one MSA layer's decode queries at the last --tokens positions of one context (one request each),
+selected over a bf16 index-key cache (bf16 index queries) and over the FP8 cache of the same bf16 keys
 (indexer_kv_dtype fp8: e4m3 keys and e4m3-rounded index queries, msa_kernels.fp8_index_keys). Per context
 length it prints, over the (token, index head) pairs: the fraction whose FP8 block set is identical to the
 bf16 one; the same with FP8 keys but bf16 queries (what rounding the queries adds); for scale, the fraction
@@ -14,6 +15,9 @@ whose bf16 set is identical to the set from the float32 keys and queries the bf1
 the fraction of the bf16 set's blocks the FP8 set also holds; then the cosine (mean and minimum over
 tokens, all heads of a token as one vector) between the attention outputs over the FP8 selection and over
 the bf16 selection (same bf16 q, K and V).
+K/V: the cosine between the attention outputs over the bf16 selection from an FP8 K/V cache (--kv-cache-dtype
+fp8: e4m3 of K and V, scale 1.0 as vLLM uses without checkpoint scales, msa_kernels.reference.write_paged) and
+from the bf16 one.
 
 - random: normal index queries and keys (float32), q, K and V (bf16) at MiniMax-M3's layer shape (Hq 64,
   Hkv 4, D 128, Hi 4, Dp 128, top-16 of 128-token blocks). Random keys make blocks' max-pooled scores nearly
@@ -24,7 +28,8 @@ the bf16 selection (same bf16 q, K and V).
   msa_attention (q, K and V then rounded to bf16, as a bf16 model's caches); the layers' pairs are pooled.
 - greedy: greedy tokens of the demo checkpoint's reference model with FP8, bf16 and float32 index keys
   (msa_config.indexer_kv_dtype fp8, bf16, auto), the rest of the model in float32, on source-text prompts of
-  each length: where FP8 first differs from bf16, and bf16 from float32.
+  each length: where FP8 first differs from bf16, and bf16 from float32; and with bf16 index keys and an FP8
+  K/V cache in every layer: where it first differs from the float32 K/V.
 """
 
 import argparse
@@ -40,6 +45,7 @@ import torch
 from msa_kernels import ops
 from msa_kernels.bench.problems import M3_SHAPE, SCALE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, dequantize_rows
+from msa_kernels.reference import FP8_KV_STORAGE, write_paged
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 
@@ -76,6 +82,7 @@ class Agreement:
     blocks: int = 0
     shared_blocks: int = 0
     cosines: list[torch.Tensor] = field(default_factory=list)
+    kv_cosines: list[torch.Tensor] = field(default_factory=list)  # FP8 K/V against bf16 K/V, bf16 selection
 
     def add(self, inputs: LayerInputs) -> None:
         s, batch = inputs.shape, inputs.batch()
@@ -94,10 +101,12 @@ class Agreement:
         self.shared_blocks += ((bf16[..., :, None] == fp8[..., None, :]).any(-1) & chosen).sum().item()
         bf16_out = ops.sparse_attention(inputs.q, inputs.kv_cache, batch, bf16, s, inputs.scale).float()
         fp8_out = ops.sparse_attention(inputs.q, inputs.kv_cache, batch, fp8, s, inputs.scale).float()
-        self.cosines.append(torch.nn.functional.cosine_similarity(fp8_out.flatten(1), bf16_out.flatten(1), dim=1))
+        fp8_kv_out = ops.sparse_attention(inputs.q, fp8_kv_cache(inputs.kv_cache), batch, bf16, s, inputs.scale).float()
+        self.cosines.append(cosines(fp8_out, bf16_out))
+        self.kv_cosines.append(cosines(fp8_kv_out, bf16_out))
 
     def row(self, context: int, seconds: float) -> str:
-        cosines = torch.cat(self.cosines)
+        index_cosines, kv_cosines = torch.cat(self.cosines), torch.cat(self.kv_cosines)
         cells = [
             str(context),
             str(self.sets),
@@ -105,8 +114,10 @@ class Agreement:
             f"{self.identical_keys_only / self.sets:.3f}",
             f"{self.identical_bf16_to_float32 / self.sets:.3f}",
             f"{self.shared_blocks / self.blocks:.4f}",
-            f"{cosines.mean().item():.5f}",
-            f"{cosines.min().item():.5f}",
+            f"{index_cosines.mean().item():.5f}",
+            f"{index_cosines.min().item():.5f}",
+            f"{kv_cosines.mean().item():.5f}",
+            f"{kv_cosines.min().item():.5f}",
             f"{seconds:.0f}",
         ]
         return "| " + " | ".join(cells) + " |"
@@ -114,8 +125,23 @@ class Agreement:
 
 HEADER = (
     "| context | (token, index head) sets | FP8 = bf16 | FP8 keys only = bf16 | bf16 = float32 | blocks shared "
-    "| output cosine mean | output cosine min | s |\n|---|---|---|---|---|---|---|---|---|"
+    "| output cosine mean | output cosine min | FP8 K/V output cosine mean | FP8 K/V output cosine min | s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per token, all heads as one vector."""
+    return torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1), dim=1)
+
+
+def fp8_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A K/V cache [pages, 2, B, Hkv, D] as vLLM's FP8 cache holds it (e4m3, scale 1.0)."""
+    fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE)
+    slots = torch.arange(kv_cache.shape[0] * kv_cache.shape[2])
+    for i in range(2):
+        write_paged(fp8[:, i], slots, kv_cache[:, i].flatten(0, 1))
+    return fp8
 
 
 def random_inputs(shape: MSAShape, context: int, tokens: int, seed: int) -> LayerInputs:
@@ -181,14 +207,16 @@ def print_greedy_agreement(model_dir: Path, lengths: list[int], tokens: int) -> 
     from tests.reference_model import ReferenceFlashMSA
 
     models = {dtype: ReferenceFlashMSA(model_dir, msa_overrides={"indexer_kv_dtype": dtype}) for dtype in KEY_FORMATS}
+    fp8_kv = ReferenceFlashMSA(model_dir, msa_overrides={"indexer_kv_dtype": "bf16"}, kv_cache_dtype="fp8")
     print(
         "| prompt tokens | greedy tokens | FP8 = bf16: first difference at | bf16 = float32: first difference at "
-        "| s |\n|---|---|---|---|---|"
+        "| FP8 K/V = float32 K/V (bf16 index keys): first difference at | s |\n|---|---|---|---|---|---|"
     )
     for length in lengths:
         start, prompt = time.perf_counter(), source_tokens(model_dir, length)
         fp8, bf16, float32 = (models[dtype].greedy(prompt, tokens) for dtype in KEY_FORMATS)
-        differences = f"{first_difference(fp8, bf16)} | {first_difference(bf16, float32)}"
+        kv = fp8_kv.greedy(prompt, tokens)
+        differences = " | ".join(first_difference(a, b) for a, b in ((fp8, bf16), (bf16, float32), (kv, bf16)))
         print(f"| {length} | {tokens} | {differences} | {time.perf_counter() - start:.0f} |")
 
 
