@@ -209,7 +209,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, kv_scales(layer))
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer_kv_scales(layer))
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
@@ -270,7 +270,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         selected = every_block.expand(n, shape.num_index_heads, max_blocks)
         selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
         ops.sparse_attention(
-            query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n], kv_scales=kv_scales(layer)
+            query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n], kv_scales=layer_kv_scales(layer)
         )
         return output
 
@@ -389,7 +389,7 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         )
 
 
-def kv_scales(layer: torch.nn.Module) -> tuple[float, float]:
+def layer_kv_scales(layer: torch.nn.Module) -> tuple[float, float]:
     """(k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache (1.0 unless its checkpoint carries scales)."""
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
@@ -419,16 +419,16 @@ def write_paged(
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    fp8_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); elsewhere the
     reference, which writes an FP8 K/V cache (CPU only: config.FP8_CACHE_DTYPES) as key / k_scale and value /
-    v_scale in e4m3 (fp8_scales = (k_scale, v_scale)).
+    v_scale in e4m3 (kv_scales = (k_scale, v_scale)).
     """
     if key_cache.is_cuda:
         compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value)
         return
-    reference.write_paged(key_cache, slot_mapping, key, fp8_scales[0])
-    reference.write_paged(value_cache, slot_mapping, value, fp8_scales[1])
+    reference.write_paged(key_cache, slot_mapping, key, kv_scales[0])
+    reference.write_paged(value_cache, slot_mapping, value, kv_scales[1])
