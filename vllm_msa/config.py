@@ -289,8 +289,7 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
             f"leave it out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
             '\'{"indexer_kv_dtype": "fp8"}\''
         )
-    device_type = getattr(vllm_config.device_config, "device_type", "cpu")
-    if cache.cache_dtype in FP8_CACHE_DTYPES and device_type != "cpu":
+    if cache.cache_dtype in FP8_CACHE_DTYPES and (device_type := vllm_config.device_config.device_type) != "cpu":
         raise MSAConfigError(
             f"--kv-cache-dtype {cache.cache_dtype} is served on CPU only so far: FLASH_MSA's {device_type} kernels "
             "read K/V in the model's dtype (the PyTorch path that reads e4m3 K/V would make every step slow); leave it "
