@@ -14,11 +14,10 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_pp2     as msa, pipeline parallel 2 (layers 0-1 and 2-3)
   replicated  a demo variant with 1 KV head and 1 index head, tensor parallel 1 and 2: at TP 2 both
               ranks hold the KV head, the index head and the index keys (vLLM's KV-head replication)
-  msa_fp8     as msa_tight with FP8 index keys (msa_config.indexer_kv_dtype fp8): the concurrent prompts
-              twice in 36 pages; msa_fp8_plain the same model without prefix caching or chunked prefill
-  msa_fp8_kv  as msa_fp8 with an FP8 K/V cache (--kv-cache-dtype fp8; index keys then FP8 too), on a demo
-              variant whose layers are all MSA (a dense layer runs vLLM's CPU attention, whose FP8 K/V needs
-              AVX-512 or AMX)
+  msa_fp8_plain  FP8 index keys (msa_config.indexer_kv_dtype fp8) without prefix caching or chunked prefill
+  msa_fp8_kv  as msa_tight with an FP8 K/V cache (--kv-cache-dtype fp8; index keys then FP8 too): the
+              concurrent prompts twice in 36 pages, on a demo variant whose layers are all MSA (a dense
+              layer runs vLLM's CPU attention, whose FP8 K/V needs AVX-512 or AMX)
 Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
@@ -157,29 +156,6 @@ def msa_tight_tokens(demo_model, concurrent_prompts):
 
 
 FP8_INDEX_KEYS = {"indexer_kv_dtype": "fp8"}
-FP8_PAGE_BYTES = 128 * (2048 + 3 * 36)  # fp32 K/V of 4 layers, e4m3 index keys (32 B) + a float32 scale in 3
-
-
-def twice_in_36_pages(model_dir, prompts, page_bytes, **kwargs):
-    """The prompts twice in a cache of 36 pages of page_bytes (4608 tokens; prefix caching, chunked prefill):
-    tokens of each pass, metrics, the pages vLLM made of those bytes."""
-    with engine(
-        model_dir,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=512,
-        kv_cache_memory_bytes=36 * page_bytes,
-        disable_log_stats=False,
-        **kwargs,
-    ) as llm:
-        first, second = greedy(llm, prompts), greedy(llm, prompts)
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    return first, second, metrics, pages
-
-
-@pytest.fixture(scope="module")
-def msa_fp8_tokens(demo_model, concurrent_prompts):
-    return twice_in_36_pages(demo_model, concurrent_prompts, FP8_PAGE_BYTES, msa_overrides=FP8_INDEX_KEYS)
 
 
 FP8_KV_PAGE_BYTES = 128 * 4 * (128 + 36)  # per MSA layer: e4m3 K/V (2 heads x 32 x 2), e4m3 index keys + scale
@@ -195,7 +171,19 @@ def all_msa_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def msa_fp8_kv_tokens(all_msa_model, concurrent_prompts):
-    return twice_in_36_pages(all_msa_model, concurrent_prompts, FP8_KV_PAGE_BYTES, kv_cache_dtype="fp8")
+    """The concurrent prompts twice in 36 FP8 pages (4608 tokens): tokens of each pass, metrics, pages."""
+    with engine(
+        all_msa_model,
+        kv_cache_dtype="fp8",
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        kv_cache_memory_bytes=36 * FP8_KV_PAGE_BYTES,
+        disable_log_stats=False,
+    ) as llm:
+        first, second = greedy(llm, concurrent_prompts), greedy(llm, concurrent_prompts)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        pages = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    return first, second, metrics, pages
 
 
 @pytest.fixture(scope="module")
@@ -342,28 +330,22 @@ def test_replicated_kv_and_index_heads_at_tp2_give_tp1s_greedy_tokens(replicated
     assert_selections_counted_once(metrics, prompts, index_heads=1)  # one index head, held by both ranks
 
 
-def test_fp8_index_keys_give_the_reference_models_tokens_under_prefix_caching_chunking_and_preemption(
-    demo_model, concurrent_prompts, msa_fp8_tokens, msa_fp8_plain_tokens
-):
-    first, second, metrics, pages = msa_fp8_tokens
-    print(
-        f"\nFP8 index keys, 36 pages: {metrics['vllm:num_preemptions']:.0f} preemptions, "
-        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens"
-    )
-    assert pages == 36  # vLLM budgets the FP8 index-key pages at their bytes: values and scales
-    assert metrics["vllm:num_preemptions"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
-    assert first == msa_fp8_plain_tokens and second == msa_fp8_plain_tokens
+def test_fp8_index_keys_give_the_reference_models_tokens(demo_model, concurrent_prompts, msa_fp8_plain_tokens):
     reference = ReferenceFlashMSA(demo_model, msa_overrides=FP8_INDEX_KEYS)
     for prompt, got in zip(concurrent_prompts, msa_fp8_plain_tokens):
         assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
 
 
-def test_fp8_kv_cache_holds_its_pages_at_e4m3_bytes_and_gives_the_reference_models_tokens(
+def test_fp8_caches_hold_their_pages_at_e4m3_bytes_and_give_the_reference_models_tokens_under_preemption(
     all_msa_model, concurrent_prompts, msa_fp8_kv_tokens
 ):
+    """FP8 K/V and (auto) FP8 index keys under prefix caching, chunked prefill and preemption."""
     first, second, metrics, pages = msa_fp8_kv_tokens
-    print(f"\nFP8 K/V, 36 pages: {metrics['vllm:num_preemptions']:.0f} preemptions")
-    assert pages == 36  # vLLM budgets the pages at their e4m3 bytes: ~4x the tokens the fp32 cache holds in them
+    print(
+        f"\nFP8 K/V and index keys, 36 pages: {metrics['vllm:num_preemptions']:.0f} preemptions, "
+        f"{metrics['vllm:prefix_cache_hits']:.0f} prefix-cache hit tokens"
+    )
+    assert pages == 36  # vLLM budgets the pages at their bytes (e4m3 K/V, index-key values and scales)
     assert metrics["vllm:num_preemptions"] > 0 and metrics["vllm:prefix_cache_hits"] > 0
     assert first == second
     reference = ReferenceFlashMSA(all_msa_model, kv_cache_dtype="fp8")
