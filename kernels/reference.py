@@ -186,6 +186,15 @@ def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.T
     cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
 
 
+def fp8_kv_cache(kv_cache: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """A whole K/V cache [pages, 2, B, Hkv, D] as vLLM's FP8 cache holds it: every slot written by write_paged."""
+    fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE, device=kv_cache.device)
+    slots = torch.arange(kv_cache.shape[0] * kv_cache.shape[2], device=kv_cache.device)
+    for i, scale in enumerate(kv_scales):
+        write_paged(fp8[:, i], slots, kv_cache[:, i].flatten(0, 1), fp8_scale=scale)
+    return fp8
+
+
 def write_index_keys(
     index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
 ) -> None:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.ops import msa_attention
-from msa_kernels.reference import FP8_KV_STORAGE, write_paged
+from msa_kernels.reference import FP8_KV_STORAGE, fp8_kv_cache
 from msa_kernels.shapes import PagedBatch
 from vllm_msa.config import MSAModelConfig, index_key_dtype
 
@@ -78,11 +78,9 @@ class ReferenceFlashMSA:
         kv_cache = torch.nn.functional.pad(kv_cache, (0, 0, 0, 0, 0, pad)).view(
             2, num_pages, s.block_size, *k.shape[1:]
         )
+        kv_cache = kv_cache.transpose(0, 1)  # [pages, 2, B, Hkv, D]
         if self.fp8_kv:
-            fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE)
-            write_paged(fp8[0], torch.arange(n), k)
-            write_paged(fp8[1], torch.arange(n), v)
-            kv_cache = fp8
+            kv_cache = fp8_kv_cache(kv_cache)
         index_keys = torch.nn.functional.pad(ik, (0, 0, 0, 0, 0, pad)).view(num_pages, s.block_size, *ik.shape[1:])
         if self.index_key_dtype == Fp8IndexKeyCache.dtype:
             index_keys = Fp8IndexKeyCache.quantize(index_keys)
@@ -93,7 +91,7 @@ class ReferenceFlashMSA:
             seq_lens=torch.tensor([n]),
             block_table=torch.arange(num_pages)[None, :],
         )
-        out, _ = msa_attention(q, iq, kv_cache.transpose(0, 1), index_keys, batch, shape, s.head_dim**-0.5)
+        out, _ = msa_attention(q, iq, kv_cache, index_keys, batch, shape, s.head_dim**-0.5)
         return out.reshape(n, -1) @ w[p + "o_proj.weight"].T
 
     @torch.no_grad()

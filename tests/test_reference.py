@@ -8,7 +8,14 @@ import torch
 
 from msa_kernels import ops
 from msa_kernels.ops import msa_attention
-from msa_kernels.reference import FP8_KV_STORAGE, index_block_scores, sparse_attention, topk_blocks, write_paged
+from msa_kernels.reference import (
+    FP8_KV_STORAGE,
+    fp8_kv_cache,
+    index_block_scores,
+    sparse_attention,
+    topk_blocks,
+    write_paged,
+)
 from msa_kernels.shapes import PagedBatch
 from msa_kernels.testing import make_case, small_shape
 from tests.naive_msa import naive_msa
@@ -143,10 +150,7 @@ def test_fp8_kv_cache_is_written_as_e4m3_of_value_over_scale_and_attended_dequan
     shape = small_shape(num_index_heads=4)
     case = make_case(shape, [1, 45, 1], [96, 45, 300], dtype=torch.float32, seed=5)
     kv_scales = (0.5, 2.0)
-    fp8_cache = torch.zeros(case.kv_cache.shape, dtype=FP8_KV_STORAGE)
-    slots = torch.arange(case.kv_cache.shape[0] * shape.block_size)
-    for i, scale in enumerate(kv_scales):
-        write_paged(fp8_cache[:, i], slots, case.kv_cache[:, i].flatten(0, 1), fp8_scale=scale)
+    fp8_cache = fp8_kv_cache(case.kv_cache, kv_scales)
     dequantised = fp8_cache.view(torch.float8_e4m3fn).float() * torch.tensor(kv_scales).view(1, 2, 1, 1, 1)
     selected = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape)
     args = (case.batch, selected, shape, case.scale)

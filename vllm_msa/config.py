@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
-SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")  # --kv-cache-dtype values FLASH_MSA serves
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache: the PyTorch path reads it, so CPU only for now
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)  # --kv-cache-dtype values FLASH_MSA serves
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
 SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)

@@ -45,7 +45,7 @@ import torch
 from msa_kernels import ops
 from msa_kernels.bench.problems import M3_SHAPE, SCALE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, dequantize_rows
-from msa_kernels.reference import FP8_KV_STORAGE, write_paged
+from msa_kernels.reference import fp8_kv_cache
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 
@@ -133,15 +133,6 @@ HEADER = (
 def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per token, all heads as one vector."""
     return torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1), dim=1)
-
-
-def fp8_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
-    """A K/V cache [pages, 2, B, Hkv, D] as vLLM's FP8 cache holds it (e4m3, scale 1.0)."""
-    fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE)
-    slots = torch.arange(kv_cache.shape[0] * kv_cache.shape[2])
-    for i in range(2):
-        write_paged(fp8[:, i], slots, kv_cache[:, i].flatten(0, 1))
-    return fp8
 
 
 def random_inputs(shape: MSAShape, context: int, tokens: int, seed: int) -> LayerInputs:
