@@ -14,8 +14,8 @@ CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the nex
 else the PyTorch reference (kernels/reference.py):
 
     step              decode part                          prefill part
-    index scores      index_scores.py (bf16 or FP8 keys)   index_scores_prefill.py, index_scores.py
-                                                           (bf16 keys; FP8 keys: the reference)
+    index scores      index_scores.py (bf16 keys),         index_scores_prefill.py, index_scores.py
+                      index_scores_fp8.py (FP8 keys)       (bf16 keys; FP8 keys: the reference)
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
@@ -31,7 +31,7 @@ is. A decode part never syncs the host and has no data-dependent shapes: a full-
 
 An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL
 kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference)
-and scored, in a decode part, by index_scores.py reading the FP8 pages; a prefill part's FP8 index scores
+and scored, in a decode part, by index_scores_fp8.py reading the FP8 pages; a prefill part's FP8 index scores
 run the reference (no FP8 warpgroup-MMA prefill kernel yet; a one-time warning says so). Both compute the
 reference's function (the index queries rounded to e4m3 per token and index head), so a token selects the
 same blocks in either phase up to float32 summation order. With both kernels an FP8 decode step, like a
@@ -100,7 +100,14 @@ def _steps(
     steps = Steps(reference.index_block_scores, reference.topk_blocks, reference.sparse_attention)
     if not _on_hopper(device):
         return steps
-    from msa_kernels.cute import index_scores, index_scores_prefill, sparse_attn, sparse_attn_prefill, topk_blocks
+    from msa_kernels.cute import (
+        index_scores,
+        index_scores_fp8,
+        index_scores_prefill,
+        sparse_attn,
+        sparse_attn_prefill,
+        topk_blocks,
+    )
 
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
     fp8_prefill = phase == "prefill" and index_key_dtype == Fp8IndexKeyCache.dtype
@@ -108,6 +115,8 @@ def _steps(
         steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
     elif not fp8_prefill and index_scores.IndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores.index_block_scores)
+    elif not fp8_prefill and index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores_fp8.fp8_index_block_scores)
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference(phase)
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns

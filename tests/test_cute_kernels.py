@@ -16,6 +16,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 from msa_kernels.cute import (
     fp8_index_key_write,
     index_scores,
+    index_scores_fp8,
     index_scores_prefill,
     sparse_attn,
     sparse_attn_prefill,
@@ -24,6 +25,7 @@ from msa_kernels.cute import (
 from msa_kernels.cute.combine import CombineKernel, CombineParams
 from msa_kernels.cute.fp8_index_key_write import Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
@@ -59,7 +61,7 @@ def test_index_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
 
 @pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
 def test_fp8_index_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
-    compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp, fp8=True), sm90a)
+    compiles_and_caches(Fp8IndexScoreKernel, Fp8IndexScoreParams(hi, hki, dp), sm90a)
 
 
 FP8_WRITE_PARAMS = [(1, 128), (2, 64), (4, 32), (1, 256)]  # (Hki, Dp)
@@ -73,7 +75,7 @@ def test_fp8_index_key_write_kernel_compiles_for_sm90a(hki, dp, sm90a):
 @pytest.mark.parametrize(
     "kernel_cls, params",
     [
-        (IndexScoreKernel, IndexScoreParams(4, 1, 128, fp8=True)),
+        (Fp8IndexScoreKernel, Fp8IndexScoreParams(4, 1, 128)),
         (Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams(1, 128)),
     ],
     ids=["index_scores", "index_key_write"],
@@ -254,7 +256,7 @@ def test_fp8_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
     q_lens, seq_lens = FP8_DECODE_CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 1)
     cache = fp8_pages(case.index_key_cache)
-    got = index_scores.index_block_scores(case.index_q, cache, case.batch, shape)
+    got = index_scores_fp8.fp8_index_block_scores(case.index_q, cache, case.batch, shape)
     q8, q_scales = quantize_rows(case.index_q)
     exact_q = q8.double() * q_scales.double()[..., None]
     exact_keys = cache.values.double() * cache.scales.double()[..., None]
@@ -521,7 +523,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
         assert torch.equal(index_key_cache.values.view(torch.uint8), want_values.view(torch.uint8))
         assert torch.equal(index_key_cache.scales.view(torch.int32), want_scales.view(torch.int32))
         # The graph's selection is the eager kernels' (deterministic), which is the reference's up to near-ties.
-        got_scores = index_scores.index_block_scores(case.index_q, index_key_cache, case.batch, shape)
+        got_scores = index_scores_fp8.fp8_index_block_scores(case.index_q, index_key_cache, case.batch, shape)
         reference_scores = reference.index_block_scores(case.index_q, index_key_cache, case.batch, shape)
         assert_selects_as(got_scores, reference_scores, case.batch.positions, shape, tol=1e-3)
         want_sel = reference.topk_blocks(got_scores, case.batch.positions, shape)

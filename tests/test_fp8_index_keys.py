@@ -147,20 +147,22 @@ def on_hopper(monkeypatch):
 def test_fp8_index_keys_on_hopper_decode_and_writes_run_cutedsl_prefill_the_reference_with_one_warning(
     on_hopper, caplog
 ):
-    from msa_kernels.cute import fp8_index_key_write, index_scores
+    from msa_kernels.cute import fp8_index_key_write, index_scores_fp8
     from msa_kernels.cute.index_scores import IndexScoreKernel
+    from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel
     from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel
 
     shape = _shape(head_dim=64, index_head_dim=128, block_size=128)
     probe = torch.empty(0, dtype=torch.bfloat16)
     fp8 = Fp8IndexKeyCache.dtype
-    assert IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
-    assert not IndexScoreKernel.can_implement(torch.bfloat16, fp8, 8, 128)  # 8 e4m3 bytes: no 16-byte load
+    assert Fp8IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
+    assert not Fp8IndexScoreKernel.can_implement(torch.bfloat16, fp8, 16, 128)  # 16 bytes: not 4 lanes x 8
+    assert not IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)  # the SIMT kernel: bf16 keys
     assert not PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
     with caplog.at_level(logging.WARNING, logger="vllm.msa.kernels"):
         for _ in range(2):  # asked again: no second warning
             decode = ops._steps(probe.device, probe.dtype, fp8, shape, "decode")
-            assert decode.index_scores is index_scores.index_block_scores
+            assert decode.index_scores is index_scores_fp8.fp8_index_block_scores
             prefill = ops._steps(probe.device, probe.dtype, fp8, shape, "prefill")
             assert prefill.index_scores is reference.index_block_scores
         assert ops.uses_cute_index_scores(probe, shape, "decode", index_key_dtype=fp8)

@@ -3,8 +3,9 @@ and the H200's copy bandwidth.
 
     python kernels/bench/bench_index_scores.py   (on the GPU machine, CuTeDSL installed)
 
-M3 index shapes: Hi 4, Hki 1, Dp 128; one query token per sequence (kernels/cute/index_scores.py). The same
-keys run as bf16 pages and as FP8 pages (msa_kernels.fp8_index_keys, quantised once) in the same run. Bytes
+M3 index shapes: Hi 4, Hki 1, Dp 128; one query token per sequence. The same keys run as bf16 pages
+(kernels/cute/index_scores.py) and as FP8 pages (msa_kernels.fp8_index_keys, quantised once;
+kernels/cute/index_scores_fp8.py) in the same run. Bytes
 per call are the kernel's required traffic: contexts * Dp * 2 (bf16 keys), contexts * (Dp + 4) (e4m3 keys
 and their float32 scales).
 """
@@ -14,7 +15,7 @@ import time
 from msa_kernels import reference
 from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, paged_problem
 from msa_kernels.bench.timing import ceilings, timed
-from msa_kernels.cute import index_scores
+from msa_kernels.cute import index_scores, index_scores_fp8
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 
 
@@ -32,7 +33,7 @@ def main():
             pb, _, q, _, index_keys, _ = paged_problem([(context, 1)] * batch)
             fp8_keys = Fp8IndexKeyCache.quantize(index_keys)
             t_cute = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=20)
-            t_fp8 = timed(lambda: index_scores.index_block_scores(q, fp8_keys, pb, M3_SHAPE), iters=20)
+            t_fp8 = timed(lambda: index_scores_fp8.fp8_index_block_scores(q, fp8_keys, pb, M3_SHAPE), iters=20)
             t_ref = timed(lambda: reference.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=3)
             nbytes = batch * context * dp * 2
             fp8_bytes = batch * context * (dp + 4)

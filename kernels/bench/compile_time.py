@@ -13,6 +13,7 @@ import time
 from msa_kernels.bench.problems import M3_SHAPE as S
 from msa_kernels.cute.combine import CombineKernel, CombineParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
+from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
@@ -21,6 +22,7 @@ from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
 VARIANTS = [
     (IndexScoreKernel, IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (Fp8IndexScoreKernel, Fp8IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (PrefillIndexScoreKernel, PrefillIndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (TopkBlocksKernel, TopkBlocksParams(S.topk_blocks, S.local_blocks, S.init_blocks)),
     (SparseAttentionKernel, SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim)),

@@ -5,7 +5,9 @@ the contract of the msa_kernels.reference function of its step.
 
 decode phase
   index_scores.py          IndexScoreKernel, index_block_scores: causal max-pooled index block scores,
-                           every token on its own (SIMT), on bf16 or FP8 index-key pages
+                           every token on its own (SIMT), on bf16 index-key pages
+  index_scores_fp8.py      Fp8IndexScoreKernel, fp8_index_block_scores: the same on FP8 index-key pages
+                           (mma.sync on the e4m3 keys widened to f16)
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
                            blocks, one token per CTA (mma.sync), split-K over the blocks
   combine.py               CombineKernel, combine_splits: merges those split-K partials

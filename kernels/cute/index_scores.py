@@ -1,4 +1,4 @@
-"""CuTeDSL kernel: causal max-pooled index block scores against the paged index-key cache, bf16 or FP8.
+"""CuTeDSL kernel: causal max-pooled index block scores against the paged bf16 index-key cache.
 
 Computes reference.index_block_scores: out[t, h, b] = max over visible keys j of block b of
 index_q[t, h] . index_key[j, h // (Hi / Hki)], -inf for blocks with no visible key.
@@ -8,13 +8,8 @@ each loading 16 contiguous bytes (VEC = 8 bf16 or 16 e4m3 elements), so a warp r
 (coalesced); a thread keeps its VEC-wide slice of every index query in registers, the lanes of a row
 add their partial dots with shuffles, each thread keeps a running max per head over its rows, and the
 CTA reduces the max with warp shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path:
-memory bound, each key page is read once per query token. index_block_scores launches it.
-
-FP8 index keys (IndexScoreParams.fp8; msa_kernels.fp8_index_keys' pages, passed as their e4m3 values and
-float32 scales): the keys are read as e4m3, half the bytes of bf16, and widened to float32; the query
-slices are rounded to e4m3 in the kernel as the reference rounds them (fp8_rows.quantize_row_slice, per
-token and index head), so a row's dot is q8 . k8 in float32, scaled by its key's scale before the max
-and by the query's scale after it (a positive factor: the max is the same).
+memory bound, each key page is read once per query token (90% of the copy bandwidth at M3's 128K x 32).
+index_block_scores launches it (FP8 index-key pages: index_scores_fp8.py).
 """
 
 import functools
@@ -27,21 +22,14 @@ import cutlass.cute as cute
 import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
-from msa_kernels.cute.fp8_rows import quantize_row_slice
 from msa_kernels.cute.runtime import compiled_kernel
-from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
     import tvm_ffi
 
 WARP = 32
-LOAD_BYTES = 16  # one vectorised load of a key row slice
-
-
-def elements_per_load(index_key_dtype: torch.dtype) -> int:
-    """Key elements per 16-byte load, 8 bf16 or 16 e4m3."""
-    return LOAD_BYTES // index_key_dtype.itemsize
+VEC = 8  # bf16 key elements per 16-byte load of a key row slice
 
 
 @dataclass(frozen=True)
@@ -50,16 +38,6 @@ class IndexScoreParams:
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
     block_size: int = 128  # B == threads per CTA
-    fp8: bool = False  # FP8 index-key pages (e4m3 values, a float32 scale per key), else bf16 keys
-
-    @property
-    def index_key_dtype(self) -> torch.dtype:
-        return Fp8IndexKeyCache.dtype if self.fp8 else torch.bfloat16
-
-    @property
-    def vec(self) -> int:
-        """VEC: key elements per 16-byte load."""
-        return elements_per_load(self.index_key_dtype)
 
     @property
     def warps(self) -> int:
@@ -67,8 +45,8 @@ class IndexScoreParams:
 
     @property
     def lanes_per_row(self) -> int:
-        """Threads sharing one key row, each loading vec contiguous elements."""
-        return self.index_head_dim // self.vec
+        """Threads sharing one key row, each loading VEC contiguous elements."""
+        return self.index_head_dim // VEC
 
     @property
     def rows_per_step(self) -> int:
@@ -78,29 +56,26 @@ class IndexScoreParams:
 class IndexScoreKernel:
     def __init__(self, params: IndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert self.can_implement(torch.bfloat16, params.index_key_dtype, params.index_head_dim, params.block_size)
+        assert self.can_implement(torch.bfloat16, torch.bfloat16, params.index_head_dim, params.block_size)
         self.p = params
 
     @classmethod
     def can_implement(
         cls, dtype: torch.dtype, index_key_dtype: torch.dtype, index_head_dim: int, block_size: int
     ) -> bool:
-        """bf16 index queries; a bf16 or an FP8 index-key cache (Fp8IndexKeyCache.dtype); 128-token blocks; a
+        """bf16 index queries and index keys; 128-token blocks; a
         key row in whole 16-byte loads of at most one warp."""
-        if dtype != torch.bfloat16 or index_key_dtype not in (torch.bfloat16, Fp8IndexKeyCache.dtype):
+        if dtype != torch.bfloat16 or index_key_dtype != torch.bfloat16:
             return False
-        vec = elements_per_load(index_key_dtype)
-        return block_size == 128 and index_head_dim % vec == 0 and 32 % (index_head_dim // vec) == 0
+        return block_size == 128 and index_head_dim % VEC == 0 and 32 % (index_head_dim // VEC) == 0
 
     @staticmethod
     def fake_arguments(params: IndexScoreParams) -> tuple:
         """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
         bf16, i32 = cutlass.BFloat16, cutlass.Int32
-        key_dtype = cutlass.Float8E4M3FN if params.fp8 else bf16
         return (
             row_major(bf16, 3, align=16),  # index_q
-            row_major(key_dtype, 4, align=16),  # index_keys
-            row_major(cutlass.Float32, 3) if params.fp8 else None,  # index_key_scales
+            row_major(bf16, 4, align=16),  # index_keys
             row_major(i32, 2),  # block_table
             row_major(i32, 1),  # token_request
             row_major(i32, 1),  # token_position
@@ -112,8 +87,7 @@ class IndexScoreKernel:
     def __call__(
         self,
         index_q: cute.Tensor,  # [T, Hi, Dp] bf16
-        index_keys: cute.Tensor,  # [pages, B, Hki, Dp] bf16 or e4m3
-        index_key_scales: cute.Tensor | None,  # [pages, B, Hki] fp32 (FP8 pages), else None
+        index_keys: cute.Tensor,  # [pages, B, Hki, Dp] bf16
         block_table: cute.Tensor,  # [R, max_blocks] int32
         token_request: cute.Tensor,  # [T] int32
         token_position: cute.Tensor,  # [T] int32
@@ -122,7 +96,7 @@ class IndexScoreKernel:
     ):
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
-        self.kernel(index_q, index_keys, index_key_scales, block_table, token_request, token_position, out).launch(
+        self.kernel(index_q, index_keys, block_table, token_request, token_position, out).launch(
             grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1], stream=stream
         )
 
@@ -131,7 +105,6 @@ class IndexScoreKernel:
         self,
         index_q: cute.Tensor,
         index_keys: cute.Tensor,
-        index_key_scales: cute.Tensor | None,
         block_table: cute.Tensor,
         token_request: cute.Tensor,
         token_position: cute.Tensor,
@@ -156,22 +129,16 @@ class IndexScoreKernel:
         best.fill(neg_inf)
         if block * p.block_size <= position:
             page = block_table[token_request[token], block]
-            query_scales = []  # per index head, FP8 only
             for kh in cutlass.range_constexpr(p.num_index_key_heads):
                 queries = []
                 for g in cutlass.range_constexpr(heads_per_key):
-                    q_chunk = cute.zipped_divide(index_q[token, kh * heads_per_key + g, None], (p.vec,))[(None, col)]
+                    q_chunk = cute.zipped_divide(index_q[token, kh * heads_per_key + g, None], (VEC,))[(None, col)]
                     q_frag = cute.make_fragment_like(q_chunk)
                     cute.autovec_copy(q_chunk, q_frag)
-                    q = q_frag.load().to(cutlass.Float32)
-                    if cutlass.const_expr(p.fp8):
-                        q8, q_scale = quantize_row_slice(q, p.lanes_per_row)
-                        q = q8.to(cutlass.Float32)
-                        query_scales.append(q_scale)
-                    queries.append(q)
+                    queries.append(q_frag.load().to(cutlass.Float32))
                 for step in cutlass.range_constexpr(p.block_size // p.rows_per_step):
                     row = tidx // p.lanes_per_row + step * p.rows_per_step
-                    k_chunk = cute.zipped_divide(index_keys[page, row, kh, None], (p.vec,))[(None, col)]
+                    k_chunk = cute.zipped_divide(index_keys[page, row, kh, None], (VEC,))[(None, col)]
                     k_frag = cute.make_fragment_like(k_chunk)
                     cute.autovec_copy(k_chunk, k_frag)
                     k = k_frag.load().to(cutlass.Float32)
@@ -181,14 +148,10 @@ class IndexScoreKernel:
                             cute.ReductionOp.ADD, cutlass.Float32(0.0), reduction_profile=0
                         )
                         score = cute.arch.warp_reduction_sum(partial, threads_in_group=p.lanes_per_row)
-                        if cutlass.const_expr(p.fp8):
-                            score = score * index_key_scales[page, row, kh]
                         if block * p.block_size + row <= position:
                             best[h] = cute.arch.fmax(best[h], score)
             for h in cutlass.range_constexpr(p.num_index_heads):
                 score = cute.arch.warp_reduction_max(best[h])
-                if cutlass.const_expr(p.fp8):
-                    score = score * query_scales[h]
                 if lane == 0:
                     partial_max[warp, h] = score
             cute.arch.sync_threads()
@@ -203,26 +166,20 @@ class IndexScoreKernel:
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 or FP8 index-key
+    """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
     cache on Hopper: every token on its own."""
     out = torch.empty(
         (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
         dtype=torch.float32,
         device=index_q.device,
     )
-    fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
-    keys, scales = (index_key_cache.values, index_key_cache.scales) if fp8 else (index_key_cache, None)
-    _kernel(shape, fp8)(
-        index_q.contiguous(), keys, scales, batch.block_table, batch.token_requests, batch.positions, out
-    )
+    _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out)
     return out
 
 
 @functools.cache
-def _kernel(shape: MSAShape, fp8: bool) -> "tvm_ffi.Function":
-    params = IndexScoreParams(
-        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size, fp8=fp8
-    )
+def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
+    params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
     return compiled_kernel(IndexScoreKernel, params)
