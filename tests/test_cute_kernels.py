@@ -1,6 +1,7 @@
 """CuTeDSL kernels: compile every variant for sm_90a everywhere (CI has no GPU), match the reference on a GPU."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,6 +136,11 @@ TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, th
 @pytest.mark.parametrize("k, local, init", TOPK_PARAMS)
 def test_topk_kernel_compiles_for_sm90a(k, local, init, sm90a):
     compiles_and_caches(TopkBlocksKernel, TopkBlocksParams(k, local, init), sm90a)
+
+
+@pytest.mark.parametrize("row_threads", [32, 1024])
+def test_topk_kernel_compiles_with_a_warp_or_a_large_cta_per_row(row_threads, sm90a):
+    compiles_and_caches(TopkBlocksKernel, TopkBlocksParams(16, 1, 0, row_threads=row_threads), sm90a)
 
 
 def test_kernel_cache_replaces_an_unreadable_file(sm90a):
@@ -339,8 +345,10 @@ TOPK_POSITIONS = [-1, 0, 5, 127, 128, 129, 1000, 2047, 2048, 4095, 70000, 131071
 @pytest.mark.gpu
 @pytest.mark.parametrize("k, local, init", TOPK_PARAMS)
 @pytest.mark.parametrize("ties", [False, True])
-def test_topk_kernel_matches_reference(k, local, init, ties):
-    """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win."""
+@pytest.mark.parametrize("row_threads", [32, 128, 1024])
+def test_topk_kernel_matches_reference(k, local, init, ties, row_threads):
+    """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win. Rows run on
+    a warp each (4 rows a CTA, so Hi 5 leaves the last CTA a warp without a row), or a CTA of 128 or 1024."""
     shape = MSAShape(
         num_q_heads=8,
         num_kv_heads=2,
@@ -352,6 +360,8 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
         local_blocks=local,
         init_blocks=init,
     )
+    if row_threads == 32:
+        shape = replace(shape, num_q_heads=10, num_kv_heads=5, num_index_heads=5)
     positions = torch.tensor(TOPK_POSITIONS, dtype=torch.int32, device="cuda")  # as PagedBatch.positions
     max_blocks = 1100
     generator = torch.Generator(device="cuda").manual_seed(k * 100 + local * 10 + init + ties)
@@ -364,12 +374,13 @@ def test_topk_kernel_matches_reference(k, local, init, ties):
     scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the index-score kernels
     poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
     del poison  # the kernel's output reuses this memory: every slot must be written
-    got = topk_blocks.topk_blocks(scores, positions, shape)
+    got = topk_blocks.topk_blocks(scores, positions, shape, row_threads=row_threads)
     want = reference.topk_blocks(scores, positions, shape)
     assert torch.equal(got, want)
     # out=: the rows of a larger selection (a step's decode or prefill part), nothing outside them
     step = torch.full((size[0] + 2, size[1], k), 7777, dtype=torch.int32, device="cuda")
-    assert topk_blocks.topk_blocks(scores, positions, shape, out=step[1:-1]).data_ptr() == step[1:-1].data_ptr()
+    selected = topk_blocks.topk_blocks(scores, positions, shape, out=step[1:-1], row_threads=row_threads)
+    assert selected.data_ptr() == step[1:-1].data_ptr()
     assert torch.equal(step[1:-1], want) and (step[[0, -1]] == 7777).all()
 
 

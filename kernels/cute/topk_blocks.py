@@ -12,6 +12,11 @@ says how many equal to it to keep). A last pass walks the blocks in order and ke
 the forced ones, the candidates above the threshold and the first candidates equal to it, so ties
 go to the lower block number and the output comes out sorted. Rows with no more candidates than
 slots skip the search and take every visible block. topk_blocks launches it.
+
+Threads per row (TopkBlocksParams.row_threads): a CTA of 128-1024 threads per row, whose counts and prefixes
+cross warps through shared memory with a CTA barrier each, or one warp per row (32: a CTA of 4 warps holds 4
+index heads of a token), whose counts and prefixes are warp reductions and ballots with no barrier: fewer
+threads per row, but many rows (prefill, large decode batches) keep every SM busy anyway.
 """
 
 import functools
@@ -30,8 +35,8 @@ from msa_kernels.shapes import MSAShape
 if TYPE_CHECKING:
     import tvm_ffi
 
-THREADS = 128
-WARPS = THREADS // 32
+WARP = 32
+CTA_THREADS = 128  # threads of a CTA of warp rows (4 rows), and the default threads per row
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
@@ -42,11 +47,25 @@ class TopkBlocksParams:
     local_blocks: int  # L
     init_blocks: int  # I
     block_size: int = 128  # B
+    row_threads: int = CTA_THREADS  # threads per (token, index head) row: 32 (a warp) or a CTA of 128-1024
+
+    @property
+    def warp_rows(self) -> bool:
+        return self.row_threads == WARP
+
+    @property
+    def rows_per_cta(self) -> int:
+        return CTA_THREADS // WARP if self.warp_rows else 1
+
+    @property
+    def cta_threads(self) -> int:
+        return CTA_THREADS if self.warp_rows else self.row_threads
 
 
 class TopkBlocksKernel:
     def __init__(self, params: TopkBlocksParams):
         assert params.topk_blocks >= params.local_blocks + params.init_blocks and params.local_blocks >= 1
+        assert params.row_threads in (32, 128, 256, 512, 1024)
         self.p = params
 
     @classmethod
@@ -70,19 +89,32 @@ class TopkBlocksKernel:
     ):
         num_tokens = cute.size(score_bits, mode=[0])
         num_heads = cute.size(score_bits, mode=[1])
+        head_groups = (num_heads + self.p.rows_per_cta - 1) // self.p.rows_per_cta
         self.kernel(score_bits, token_position, out).launch(
-            grid=[num_tokens, num_heads, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[num_tokens, head_groups, 1], block=[self.p.cta_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, score_bits: cute.Tensor, token_position: cute.Tensor, out: cute.Tensor):
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
-        token, head, _ = cute.arch.block_idx()
+        token, head_group, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        smem = cutlass.memory.SmemAllocator()
-        exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS,)))
+        head, t = head_group, tidx  # the row, and this thread's index in it
+        exchange = None  # the CTA's per-warp partial counts (CTA rows)
+        if cutlass.const_expr(p.warp_rows):
+            head, t = head_group * p.rows_per_cta + warp, lane
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.row_threads // WARP,)))
+        if head < cute.size(score_bits, mode=[1]):
+            self.select_row(score_bits, token_position, out, token, head, t, warp, lane, exchange)
+
+    @cute.jit
+    def select_row(self, score_bits, token_position, out, token, head, t, warp, lane, exchange):
+        """Top-k of one (token, index head) row by its row_threads threads, t = 0 .. row_threads - 1."""
+        p = self.p
         row = score_bits[token, head, None]
 
         # Visible blocks [0, visible), forced ones: [0, init_end) and [local_start, visible).
@@ -104,20 +136,20 @@ class TopkBlocksKernel:
             need_equal = cutlass.Int32(0)
         if need > 0 and visible - forced > need:
             threshold = cutlass.Int32(0)
-            if self.count_at_least(row, threshold, init_end, local_start, exchange, warp) < need:
+            if self.count_at_least(row, threshold, init_end, local_start, t, exchange, warp) < need:
                 threshold = cutlass.Int32(INT32_MIN)
             for bit in cutlass.range_constexpr(30, -1, -1):
                 trial = threshold | (1 << bit)
-                if self.count_at_least(row, trial, init_end, local_start, exchange, warp) >= need:
+                if self.count_at_least(row, trial, init_end, local_start, t, exchange, warp) >= need:
                     threshold = trial
-            need_equal = need - self.count_at_least(row, threshold + 1, init_end, local_start, exchange, warp)
+            need_equal = need - self.count_at_least(row, threshold + 1, init_end, local_start, t, exchange, warp)
 
-        # Keep blocks in order, THREADS at a time; warp ballots + a CTA prefix give each its slot.
+        # Keep blocks in order, row_threads at a time; warp ballots + a row prefix give each its slot.
         taken = cutlass.Int32(0)
         equal_seen = cutlass.Int32(0)
         lanes_below = (cutlass.Int32(1) << lane) - 1
-        for start in range(0, visible, THREADS):
-            block = start + tidx
+        for start in range(0, visible, p.row_threads):
+            block = start + t
             keep = cutlass.Int32(0)
             equal = cutlass.Int32(0)
             if block < visible:
@@ -130,16 +162,16 @@ class TopkBlocksKernel:
                     if key == threshold:
                         equal = 1
             equal_ballot = cute.arch.vote_ballot_sync(equal != 0)
-            equal_rank, equal_total = self.cta_prefix(equal_ballot, lanes_below, exchange, warp)
+            equal_rank, equal_total = self.row_prefix(equal_ballot, lanes_below, exchange, warp)
             if equal != 0 and equal_seen + equal_rank < need_equal:
                 keep = 1
             keep_ballot = cute.arch.vote_ballot_sync(keep != 0)
-            slot, kept = self.cta_prefix(keep_ballot, lanes_below, exchange, warp)
+            slot, kept = self.row_prefix(keep_ballot, lanes_below, exchange, warp)
             if keep != 0:
                 out[token, head, taken + slot] = block
             taken += kept
             equal_seen += equal_total
-        for slot in range(taken + tidx, p.topk_blocks, THREADS):
+        for slot in range(taken + t, p.topk_blocks, p.row_threads):
             out[token, head, slot] = -1
 
     @cute.jit
@@ -151,53 +183,62 @@ class TopkBlocksKernel:
         return key
 
     @cute.jit
-    def count_at_least(self, row, threshold, init_end, local_start, exchange, warp) -> cutlass.Int32:
-        """Candidates (blocks in [init_end, local_start)) with key >= threshold, summed over the CTA."""
-        tidx, _, _ = cute.arch.thread_idx()
+    def count_at_least(self, row, threshold, init_end, local_start, t, exchange, warp) -> cutlass.Int32:
+        """Candidates (blocks in [init_end, local_start)) with key >= threshold, summed over the row's threads."""
         count = cutlass.Int32(0)
-        for block in range(init_end + tidx, local_start, THREADS):
+        for block in range(init_end + t, local_start, self.p.row_threads):
             if self.order_key(row[block]) >= threshold:
                 count += 1
         count = cute.arch.warp_redux_sync(count, "add")
-        cute.arch.sync_threads()  # the previous exchange is read by every warp
-        if cute.arch.lane_idx() == 0:
-            exchange[warp] = count
-        cute.arch.sync_threads()
-        total = exchange[0]
-        for w in cutlass.range_constexpr(1, WARPS):
-            total += exchange[w]
-        return total
+        if cutlass.const_expr(not self.p.warp_rows):
+            cute.arch.sync_threads()  # the previous exchange is read by every warp
+            if cute.arch.lane_idx() == 0:
+                exchange[warp] = count
+            cute.arch.sync_threads()
+            count = exchange[0]
+            for w in cutlass.range_constexpr(1, self.p.row_threads // WARP):
+                count += exchange[w]
+        return count
 
     @cute.jit
-    def cta_prefix(self, ballot, lanes_below, exchange, warp):
-        """(set bits of the ballots of lower threads of the CTA, set bits in the whole CTA)."""
-        cute.arch.sync_threads()
-        if cute.arch.lane_idx() == 0:
-            exchange[warp] = cute.arch.popc(ballot)
-        cute.arch.sync_threads()
+    def row_prefix(self, ballot, lanes_below, exchange, warp):
+        """(set bits of the ballots of the row's lower threads, set bits in the whole row)."""
         below = cute.arch.popc(ballot & lanes_below)
-        total = cutlass.Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            if w < warp:
-                below += exchange[w]
-            total += exchange[w]
+        total = cute.arch.popc(ballot)
+        if cutlass.const_expr(not self.p.warp_rows):
+            cute.arch.sync_threads()
+            if cute.arch.lane_idx() == 0:
+                exchange[warp] = total
+            cute.arch.sync_threads()
+            total = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(self.p.row_threads // WARP):
+                if w < warp:
+                    below += exchange[w]
+                total += exchange[w]
         return below, total
 
 
 def topk_blocks(
-    scores: torch.Tensor, positions: torch.Tensor, shape: MSAShape, out: torch.Tensor | None = None
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    shape: MSAShape,
+    out: torch.Tensor | None = None,
+    row_threads: int = CTA_THREADS,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores and int32 positions (as
     PagedBatch.positions) on Hopper; ties go to the lower block number. out: [T, Hi, K] int32 to write
-    (a slice of a step's selection), else a new tensor."""
+    (a slice of a step's selection), else a new tensor. row_threads: threads per row (TopkBlocksParams;
+    kernels/bench/bench_topk.py times the choices)."""
     num_tokens, num_heads, _ = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
     if num_tokens:
-        _kernel(shape)(scores.contiguous().view(torch.int32), positions, result)
+        _kernel(shape, row_threads)(scores.contiguous().view(torch.int32), positions, result)
     return copy_into(result, out)
 
 
 @functools.cache
-def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
-    params = TopkBlocksParams(shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size)
+def _kernel(shape: MSAShape, row_threads: int) -> "tvm_ffi.Function":
+    params = TopkBlocksParams(
+        shape.topk_blocks, shape.local_blocks, shape.init_blocks, shape.block_size, row_threads=row_threads
+    )
     return compiled_kernel(TopkBlocksKernel, params)
