@@ -121,7 +121,7 @@ def _steps(
         _warn_fp8_index_keys_run_the_reference(phase)
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
-        steps = steps._replace(topk=topk_blocks.topk_blocks)
+        steps = steps._replace(topk=functools.partial(topk_blocks.topk_blocks, phase=phase))
     heads = (shape.num_q_heads, shape.num_index_heads)
     if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
         dtype, *heads, shape.head_dim, shape.block_size

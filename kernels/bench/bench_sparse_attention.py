@@ -99,22 +99,25 @@ def decode(bw, trained: dict):
 
 
 def decode_splits(bw):
-    """Split-K sweep at the longest context x the largest batch: what sparse_attn.num_splits chooses against
-    every split count."""
-    context, batch = CONTEXTS[-1], DECODE_BATCHES[-1]
+    """Split-K sweep at the longest context, batch 1 and the largest batch: what sparse_attn.num_splits chooses
+    against every split count (a split takes a run of the selection's K/V tiles)."""
+    context = CONTEXTS[-1]
     params = sparse_attn.SparseAttentionParams(
         M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim
     )
+    tiles = M3_SHAPE.topk_blocks * params.tiles_per_block
     resident = sparse_attn.resident_ctas_per_sm(params) * torch.cuda.get_device_properties(0).multi_processor_count
-    chosen, _ = sparse_attn.num_splits(batch, params, M3_SHAPE.topk_blocks, resident)
-    print(f"\n## decode split-K sweep ({context} x {batch}; {resident} resident CTAs; num_splits picks {chosen})\n")
-    print("| splits | sparse attn us | % copy bw |")
-    print("|---|---|---|")
-    pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
-    nbytes = selected_kv_bytes(batch, context)
-    for splits in (1, 2, 3, 4, 6, 8, 16):
-        t = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits))
-        print(f"| {splits}{' (chosen)' if splits == chosen else ''} | {t * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |")
+    for batch in (1, DECODE_BATCHES[-1]):
+        chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
+        print(f"\n## decode split-K sweep ({context} x {batch}; {resident} resident CTAs; num_splits picks {chosen})\n")
+        print("| splits | sparse attn us | % copy bw |")
+        print("|---|---|---|")
+        pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
+        nbytes = selected_kv_bytes(batch, context)
+        for splits in sorted({1, 2, 3, 4, 8, 16, 32, chosen}):
+            t = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits))
+            mark = " (chosen)" if splits == chosen else ""
+            print(f"| {splits}{mark} | {t * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |")
 
 
 def prefill(flops):

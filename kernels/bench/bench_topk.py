@@ -1,19 +1,21 @@
 """Benchmark: the CuTeDSL top-k kernel by threads per row (kernels/cute/topk_blocks.py), decode and prefill rows.
 
-    python kernels/bench/bench_topk.py [--row-threads 32 128 256 1024] [--contexts 8192 32768 131072 1048576]
+    python kernels/bench/bench_topk.py [--row-threads 32 128 256 512 1024] [--contexts 8192 32768 131072 1048576]
         (GPU machine, CuTeDSL installed)
 
 M3's selection (top-16 of 128-token blocks, the query's own block forced) on random fp32 block scores, -inf past
 each token's block as the index-score kernels leave them. Decode: one row per (sequence, index head) at the end of
 each context, batch 1 / 8 / 32, timed in CUDA graphs as vLLM replays decode. Prefill: every token of one prompt
-of the context (rows = tokens x Hi), timed eagerly. Each choice of threads per row is checked against the default
-(128) on every shape before it is timed; the fastest is marked.
+of the context (rows = tokens x Hi), timed eagerly. Each choice of threads per row is checked against the PyTorch
+reference on every shape before it is timed; the fastest is marked (topk_blocks.ROW_THREADS holds the choice per
+phase).
 """
 
 import argparse
 
 import torch
 
+from msa_kernels import reference
 from msa_kernels.bench.problems import DECODE_BATCHES, M3_SHAPE
 from msa_kernels.bench.timing import graph_timed, timed
 from msa_kernels.cute import topk_blocks
@@ -30,12 +32,12 @@ def block_scores(positions: torch.Tensor, max_blocks: int, seed: int) -> torch.T
 
 def time_row_threads(name: str, positions: torch.Tensor, max_blocks: int, row_threads: list[int], graphs: bool):
     scores = block_scores(positions, max_blocks, seed=max_blocks)
-    want = topk_blocks.topk_blocks(scores, positions, M3_SHAPE)
+    want = reference.topk_blocks(scores, positions, M3_SHAPE)
     times = {}
     for threads in row_threads:
         got = topk_blocks.topk_blocks(scores, positions, M3_SHAPE, row_threads=threads)
         if not torch.equal(got, want):
-            raise AssertionError(f"{name}: {threads} threads per row select other blocks than 128")
+            raise AssertionError(f"{name}: {threads} threads per row select other blocks than the reference")
         call = lambda: topk_blocks.topk_blocks(scores, positions, M3_SHAPE, row_threads=threads)  # noqa: E731
         times[threads] = (graph_timed if graphs else timed)(call)
     best = min(times, key=times.get)
@@ -45,7 +47,7 @@ def time_row_threads(name: str, positions: torch.Tensor, max_blocks: int, row_th
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row-threads", type=int, nargs="+", default=[32, 128, 256, 1024])
+    parser.add_argument("--row-threads", type=int, nargs="+", default=[32, 128, 256, 512, 1024])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
     parser.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     args = parser.parse_args()

@@ -653,6 +653,9 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", help=f"decode and prefill contexts (default {CONTEXTS})")
     parser.add_argument("--decode-batches", type=int, nargs="+", help=f"decode batch sizes (default {DECODE_BATCHES})")
     parser.add_argument(
+        "--prefill-contexts", type=int, nargs="*", help="prefill contexts, not --contexts' (none: decode only)"
+    )
+    parser.add_argument(
         "--dense-max-context",
         type=int,
         help="run dense FA3 only up to this context; longer ones extrapolate from the largest measured (labelled ~)",
@@ -664,6 +667,8 @@ def main(argv=None) -> int:
     plan = SMOKE_PLAN if args.smoke else FULL
     if args.contexts:
         plan = replace(plan, decode_contexts=tuple(args.contexts), prefill_contexts=tuple(args.contexts))
+    if args.prefill_contexts is not None:
+        plan = replace(plan, prefill_contexts=tuple(args.prefill_contexts))
     if args.decode_batches:
         plan = replace(plan, decode_batches=tuple(args.decode_batches))
     versions = f"vLLM {importlib.metadata.version('vllm')}, torch {torch.__version__}"

@@ -7,8 +7,10 @@ core MMAs (mma.sync m16n8k16, bf16 in, fp32 accumulate): K/V tiles of `tile_keys
 gathered page by page with cp.async into a two-stage shared-memory ring, S = Q K^T, causal mask,
 online softmax, O += P V.
 
-Decode has few tokens, so the selected blocks of a (token, index head) are split across CTAs:
-each split writes its normalised fp32 partial output and log-sum-exp, and combine.py merges them.
+Decode has few tokens, so the K/V tiles of a (token, index head)'s selected blocks are split across
+CTAs (a split takes a run of tiles, down to one tile of one block: a single sequence spreads its 16
+blocks over 128 CTAs at M3's shapes): each split writes its normalised fp32 partial output and
+log-sum-exp, and combine.py merges them.
 With one split the kernel writes the final bf16 output (large decode batches; prefill tokens of
 tiles that sparse_attn_prefill.py leaves: the gated variant skips the (token, index head) rows
 that kernel marked handled).
@@ -124,7 +126,7 @@ class SparseAttentionKernel:
         out_lse: cute.Tensor,  # [S, T, Hq] fp32
         handled: cute.Tensor | None,  # [T, Hi] int32, gated only: nonzero rows are already written
         scale: cutlass.Float32,
-        slots_per_split: cutlass.Int32,
+        tiles_per_split: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         p = self.p
@@ -157,7 +159,7 @@ class SparseAttentionKernel:
             handled,
             scale * LOG2_E,
             scale,
-            slots_per_split,
+            tiles_per_split,
             q_layout,
             kv_layout,
             gmem_copy,
@@ -185,7 +187,7 @@ class SparseAttentionKernel:
         handled: cute.Tensor | None,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
-        slots_per_split: cutlass.Int32,
+        tiles_per_split: cutlass.Int32,
         q_layout: cute.ComposedLayout,
         kv_layout: cute.ComposedLayout,
         gmem_copy: cute.TiledCopy,
@@ -205,26 +207,26 @@ class SparseAttentionKernel:
         position = token_position[token]
         seq_len = seq_lens[request]
 
-        # Slots of this split that hold a block, and the tiles they need: the last visible block
-        # (the query's own) is cut at the query position.
-        num_slots = cute.size(selected, mode=[2])
-        slot0 = split * slots_per_split
-        slot1 = cutlass.min(slot0 + slots_per_split, num_slots)
+        # The split's tiles [tile0, tile1) of the selection's slots x tiles_per_block; those of slots
+        # that hold a block come first (the selection is ascending, -1 padded), and the last visible
+        # block (the query's own, the highest) is cut at the query position.
+        tile0 = split * tiles_per_split
+        tile1 = cutlass.min(tile0 + tiles_per_split, cute.size(selected, mode=[2]) * p.tiles_per_block)
+        first_slot = tile0 // p.tiles_per_block
         num_valid = cutlass.Int32(0)
-        for s in range(slot0, slot1):
+        for s in range(first_slot, (tile1 + p.tiles_per_block - 1) // p.tiles_per_block):
             if selected[token, index_head, s] >= 0:
                 num_valid += 1
-        num_tiles = num_valid * p.tiles_per_block
+        valid_end = (first_slot + num_valid) * p.tiles_per_block
+        last_block = selected[token, index_head, cutlass.max(first_slot + num_valid - 1, 0)]
+        if num_valid > 0 and last_block == position // p.block_size:
+            valid_end -= p.tiles_per_block - (position % p.block_size) // p.tile_keys - 1
+        num_tiles = cutlass.max(cutlass.min(tile1, valid_end) - tile0, 0)
         skipped = cutlass.Int32(0)
         if cutlass.const_expr(p.gated):
             skipped = handled[token, index_head]
         if skipped != 0:
-            num_valid = 0
             num_tiles = 0
-        if num_valid > 0:
-            last_block = selected[token, index_head, slot0 + num_valid - 1]
-            if last_block == position // p.block_size:
-                num_tiles -= p.tiles_per_block - (position % p.block_size) // p.tile_keys - 1
 
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
         sQ = storage.sQ.get_tensor(q_layout)
@@ -273,7 +275,7 @@ class SparseAttentionKernel:
             token=token,
             index_head=index_head,
             kv_head=kv_head,
-            slot0=slot0,
+            tile0=tile0,
             seq_len=seq_len,
         )
         if num_tiles > 0:
@@ -297,8 +299,8 @@ class SparseAttentionKernel:
                 cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
 
             # causal mask (only the query's own block has keys past it), online softmax
-            block = selected[token, index_head, slot0 + tile // p.tiles_per_block]
-            first_key = block * p.block_size + (tile % p.tiles_per_block) * p.tile_keys
+            block = selected[token, index_head, (tile0 + tile) // p.tiles_per_block]
+            first_key = block * p.block_size + ((tile0 + tile) % p.tiles_per_block) * p.tile_keys
             acc_s_mn = rows_cols(acc_s)
             for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
@@ -340,8 +342,8 @@ class SparseAttentionKernel:
         """cp.async keys and values of tile `tile` of the split into stage `stage`; rows past the
         request's length are zero-filled."""
         p = self.p
-        block = source.selected[source.token, source.index_head, source.slot0 + tile // p.tiles_per_block]
-        sub = tile % p.tiles_per_block
+        block = source.selected[source.token, source.index_head, (source.tile0 + tile) // p.tiles_per_block]
+        sub = (source.tile0 + tile) % p.tiles_per_block
         page = source.block_table[source.request, block]
         first_key = block * p.block_size + sub * p.tile_keys
         for kv, smem in ((0, sK), (1, sV)):
@@ -371,18 +373,20 @@ def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
     return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + 1024)))
 
 
-def num_splits(num_tokens: int, params: SparseAttentionParams, topk: int, resident_ctas: int) -> tuple[int, int]:
-    """(splits, slots per split) for tokens x heads x splits CTAs that run in waves of resident_ctas.
+def num_splits(num_tokens: int, params: SparseAttentionParams, tiles: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, tiles per split) of a selection of `tiles` K/V tiles (slots x tiles_per_block) for
+    tokens x heads x splits CTAs that run in waves of resident_ctas.
 
-    Minimises waves x slots per split (the time of the last wave's CTAs); on a tie the fewer splits
-    (less partial output for combine.py). E.g. M3 decode at batch 32: 128 CTAs per split, 396
-    resident on an H200: 3 splits of 6 slots run in one wave, where 4 splits of 4 need two.
+    Minimises waves x tiles per split (the time of the last wave's CTAs); on a tie the fewer splits
+    (less partial output for combine.py). E.g. M3 decode (32 tiles) at batch 32: 128 CTAs per split,
+    396 resident on an H200: 3 splits of 11 tiles run in one wave, where 4 splits of 8 need two; at
+    batch 1, 32 splits of one tile (128 CTAs).
     """
     ctas = num_tokens * params.num_index_heads * params.head_chunks
     best = None
-    for requested in range(1, min(topk, 64) + 1):
-        per_split = -(-topk // requested)
-        splits = -(-topk // per_split)
+    for requested in range(1, min(tiles, 64) + 1):
+        per_split = -(-tiles // requested)
+        splits = -(-tiles // per_split)
         cost = -(-ctas * splits // resident_ctas) * per_split
         if best is None or cost < best[0]:
             best = (cost, splits, per_split)
@@ -410,7 +414,7 @@ def sparse_attention(
     Hopper: one token per CTA.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
-    tile), chosen by num_splits unless given (benchmarks sweep it).
+    tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block).
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     attend_per_token(
@@ -438,17 +442,17 @@ def attend_per_token(
     token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
     lse = torch.empty((plan.splits, num_tokens, hq), dtype=torch.float32, device=result.device)
     if plan.splits == 1:
-        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, plan.slots_per_split)
+        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, plan.tiles_per_split)
     else:
         partial = torch.empty((plan.splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
-        plan.kernel(*token_inputs, partial, lse, None, scale, plan.slots_per_split)
+        plan.kernel(*token_inputs, partial, lse, None, scale, plan.tiles_per_split)
         combine_splits(partial, lse, result)
 
 
 class LaunchPlan(NamedTuple):
     kernel: "tvm_ffi.Function"
     splits: int
-    slots_per_split: int
+    tiles_per_split: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -460,12 +464,13 @@ def _launch_plan(
     params = SparseAttentionParams(
         shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, shape.block_size, gated=gated
     )
+    tiles = topk * params.tiles_per_block
     if splits is None:
         resident = resident_ctas_per_sm(params) * num_sms(device_index)
-        splits, per_split = num_splits(num_tokens, params, topk, resident)
+        splits, per_split = num_splits(num_tokens, params, tiles, resident)
     else:
-        per_split = -(-topk // splits)
-        splits = -(-topk // per_split)
+        per_split = -(-tiles // splits)
+        splits = -(-tiles // per_split)
     if splits > 1:
         params = replace(params, split=True)
     return LaunchPlan(compiled_kernel(SparseAttentionKernel, params), splits, per_split)

@@ -2,21 +2,24 @@
 
 Computes reference.topk_blocks: per (query token, index head) row, the forced blocks (the query's
 block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the
-other visible blocks, ascending, -1 padded. One CTA (128 threads) per row.
+other visible blocks, ascending, -1 padded. topk_blocks launches it.
 
 The scores arrive as their fp32 bit patterns (int32); key = bits, or bits ^ 0x7fffffff for negative
-ones, orders them as the floats. The need-th largest candidate key is built bit by bit from the top:
-the sign, then each lower bit kept if at least `need` candidates have a key >= the value with it
-set (one CTA-wide count per bit, 32 in all, and one more for the candidates above the result, which
-says how many equal to it to keep). A last pass walks the blocks in order and keeps
-the forced ones, the candidates above the threshold and the first candidates equal to it, so ties
-go to the lower block number and the output comes out sorted. Rows with no more candidates than
-slots skip the search and take every visible block. topk_blocks launches it.
+ones, orders them as the floats. The need-th largest candidate key is found by a radix select over the
+key's four bytes, highest first: per byte, a shared-memory histogram of the candidates that match the
+bytes found so far (warp-aggregated atomics: lanes holding the same byte add once), then a scan of its
+256 bins from the top finds the byte where the count reaches `need`, and `need` drops by the candidates
+above it. After the last byte, `need` is how many candidates equal to the threshold to keep. A last pass
+gives each thread a contiguous run of the row's blocks: it counts the forced blocks, the candidates above
+the threshold and those equal to it; one row-wide scan of the counts gives each thread its output slot
+and its share of the equal ones (ties go to the lower block number), so the output comes out sorted.
+Rows with no more candidates than slots skip the search and take every visible block.
 
-Threads per row (TopkBlocksParams.row_threads): a CTA of 128-1024 threads per row, whose counts and prefixes
-cross warps through shared memory with a CTA barrier each, or one warp per row (32: a CTA of 4 warps holds 4
-index heads of a token), whose counts and prefixes are warp reductions and ballots with no barrier: fewer
-threads per row, but many rows (prefill, large decode batches) keep every SM busy anyway.
+Threads per row (TopkBlocksParams.row_threads): a CTA of 128-1024 threads per row, whose histograms and
+scans cross warps through shared memory with a CTA barrier each, or one warp per row (32: a CTA of 4 warps
+holds 4 index heads of a token, each warp with its own histogram), synchronised by warp barriers only:
+fewer threads per row, but many rows (prefill, large decode batches) keep every SM busy anyway.
+kernels/bench/bench_topk.py times the choices.
 """
 
 import functools
@@ -30,15 +33,22 @@ import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
-from msa_kernels.shapes import MSAShape
+from msa_kernels.shapes import MSAShape, Phase
 
 if TYPE_CHECKING:
     import tvm_ffi
 
 WARP = 32
-CTA_THREADS = 128  # threads of a CTA of warp rows (4 rows), and the default threads per row
+CTA_THREADS = 128  # threads of a CTA of warp rows (4 rows)
+BINS = 256  # one radix digit: a byte of the key
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
+ROW_THREADS = {"decode": 256, "prefill": WARP}  # threads per row by phase, by bench_topk.py on the H200
+
+
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the signed int the kernel's Int32 arithmetic holds."""
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,14 @@ class TopkBlocksParams:
     @property
     def cta_threads(self) -> int:
         return CTA_THREADS if self.warp_rows else self.row_threads
+
+    @property
+    def row_warps(self) -> int:
+        return self.row_threads // WARP
+
+    @property
+    def bins_per_thread(self) -> int:
+        return max(1, BINS // self.row_threads)
 
 
 class TopkBlocksKernel:
@@ -100,28 +118,26 @@ class TopkBlocksKernel:
         tidx, _, _ = cute.arch.thread_idx()
         token, head_group, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        head, t = head_group, tidx  # the row, and this thread's index in it
-        exchange = None  # the CTA's per-warp partial counts (CTA rows)
+        smem = cutlass.memory.SmemAllocator()
+        # Per row: its histogram, the warps' totals of a row-wide scan (two values each), the byte found.
+        hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, BINS)), byte_alignment=16)
+        exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2, p.row_warps)))
+        found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2)))
+        head, t, slot = head_group, tidx, 0  # the row, this thread's index in it, the row's shared memory
         if cutlass.const_expr(p.warp_rows):
-            head, t = head_group * p.rows_per_cta + warp, lane
-        else:
-            smem = cutlass.memory.SmemAllocator()
-            exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.row_threads // WARP,)))
+            head, t, slot = head_group * p.rows_per_cta + warp, cute.arch.lane_idx(), warp
         if head < cute.size(score_bits, mode=[1]):
-            self.select_row(score_bits, token_position, out, token, head, t, warp, lane, exchange)
+            shared = (hist[slot, None], exchange[slot, None, None], found[slot, None])
+            self.select_row(score_bits[token, head, None], token_position[token], out, token, head, t, shared)
 
     @cute.jit
-    def select_row(self, score_bits, token_position, out, token, head, t, warp, lane, exchange):
+    def select_row(self, row, position, out, token, head, t, shared):
         """Top-k of one (token, index head) row by its row_threads threads, t = 0 .. row_threads - 1."""
         p = self.p
-        row = score_bits[token, head, None]
-
         # Visible blocks [0, visible), forced ones: [0, init_end) and [local_start, visible).
-        position = token_position[token]
         visible = cutlass.Int32(0)
         if position >= 0:
-            visible = cutlass.min(position // p.block_size + 1, cute.size(score_bits, mode=[2]))
+            visible = cutlass.min(position // p.block_size + 1, cute.size(row))
         local_start = cutlass.max(visible - p.local_blocks, 0)
         init_end = cutlass.min(visible, p.init_blocks)
         forced = visible
@@ -135,44 +151,46 @@ class TopkBlocksKernel:
             threshold = cutlass.Int32(INT32_MAX)
             need_equal = cutlass.Int32(0)
         if need > 0 and visible - forced > need:
-            threshold = cutlass.Int32(0)
-            if self.count_at_least(row, threshold, init_end, local_start, t, exchange, warp) < need:
-                threshold = cutlass.Int32(INT32_MIN)
-            for bit in cutlass.range_constexpr(30, -1, -1):
-                trial = threshold | (1 << bit)
-                if self.count_at_least(row, trial, init_end, local_start, t, exchange, warp) >= need:
-                    threshold = trial
-            need_equal = need - self.count_at_least(row, threshold + 1, init_end, local_start, t, exchange, warp)
+            threshold, need_equal = self.radix_select(row, need, init_end, local_start, t, shared)
 
-        # Keep blocks in order, row_threads at a time; warp ballots + a row prefix give each its slot.
-        taken = cutlass.Int32(0)
-        equal_seen = cutlass.Int32(0)
-        lanes_below = (cutlass.Int32(1) << lane) - 1
-        for start in range(0, visible, p.row_threads):
-            block = start + t
-            keep = cutlass.Int32(0)
-            equal = cutlass.Int32(0)
-            if block < visible:
-                keep = 1
-                if block >= init_end and block < local_start:
-                    key = self.order_key(row[block])
-                    keep = 0
-                    if key > threshold:
-                        keep = 1
-                    if key == threshold:
-                        equal = 1
-            equal_ballot = cute.arch.vote_ballot_sync(equal != 0)
-            equal_rank, equal_total = self.row_prefix(equal_ballot, lanes_below, exchange, warp)
-            if equal != 0 and equal_seen + equal_rank < need_equal:
-                keep = 1
-            keep_ballot = cute.arch.vote_ballot_sync(keep != 0)
-            slot, kept = self.row_prefix(keep_ballot, lanes_below, exchange, warp)
-            if keep != 0:
-                out[token, head, taken + slot] = block
-            taken += kept
-            equal_seen += equal_total
-        for slot in range(taken + t, p.topk_blocks, p.row_threads):
-            out[token, head, slot] = -1
+        # Each thread keeps blocks of its contiguous run; a row scan of the counts places them in order.
+        run = (visible + p.row_threads - 1) // p.row_threads
+        begin = t * run
+        end = cutlass.min(begin + run, visible)
+        kept = cutlass.Int32(0)
+        equal = cutlass.Int32(0)
+        for block in range(begin, end):
+            keeps, ties = self.classify(row, block, threshold, init_end, local_start)
+            kept += keeps
+            equal += ties
+        kept_before, kept_total, equal_before, equal_total = self.row_scan(kept, equal, t, shared)
+        out_slot = kept_before + cutlass.min(equal_before, need_equal)
+        equal_seen = equal_before
+        for block in range(begin, end):
+            keeps, ties = self.classify(row, block, threshold, init_end, local_start)
+            if ties != 0:
+                if equal_seen < need_equal:
+                    keeps = 1
+                equal_seen += 1
+            if keeps != 0:
+                out[token, head, out_slot] = block
+                out_slot += 1
+        for empty in range(kept_total + cutlass.min(equal_total, need_equal) + t, p.topk_blocks, p.row_threads):
+            out[token, head, empty] = -1
+
+    @cute.jit
+    def classify(self, row, block, threshold, init_end, local_start):
+        """(1 if the block is kept outright: forced or above the threshold, 1 if it ties the threshold)."""
+        keeps = cutlass.Int32(1)
+        ties = cutlass.Int32(0)
+        if block >= init_end and block < local_start:
+            key = self.order_key(row[block])
+            keeps = 0
+            if key > threshold:
+                keeps = 1
+            if key == threshold:
+                ties = 1
+        return keeps, ties
 
     @cute.jit
     def order_key(self, bits: cutlass.Int32) -> cutlass.Int32:
@@ -183,39 +201,98 @@ class TopkBlocksKernel:
         return key
 
     @cute.jit
-    def count_at_least(self, row, threshold, init_end, local_start, t, exchange, warp) -> cutlass.Int32:
-        """Candidates (blocks in [init_end, local_start)) with key >= threshold, summed over the row's threads."""
-        count = cutlass.Int32(0)
-        for block in range(init_end + t, local_start, self.p.row_threads):
-            if self.order_key(row[block]) >= threshold:
-                count += 1
-        count = cute.arch.warp_redux_sync(count, "add")
-        if cutlass.const_expr(not self.p.warp_rows):
-            cute.arch.sync_threads()  # the previous exchange is read by every warp
-            if cute.arch.lane_idx() == 0:
-                exchange[warp] = count
-            cute.arch.sync_threads()
-            count = exchange[0]
-            for w in cutlass.range_constexpr(1, self.p.row_threads // WARP):
-                count += exchange[w]
-        return count
+    def radix_select(self, row, need, init_end, local_start, t, shared):
+        """(the need-th largest candidate key, how many candidates equal to it are kept): one byte per pass.
+
+        Keys are compared as unsigned bytes: key ^ INT32_MIN orders the signed keys as unsigned ints."""
+        p = self.p
+        hist, _, found = shared
+        prefix = cutlass.Int32(0)  # the bytes found so far, in unsigned-key form
+        rounds = (local_start - init_end + p.row_threads - 1) // p.row_threads
+        for byte in cutlass.range_constexpr(4):
+            shift = 24 - 8 * byte
+            mask = _int32((0xFFFFFFFF << (32 - 8 * byte)) & 0xFFFFFFFF)  # the bytes above this one
+            for b in cutlass.range_constexpr(0, BINS, p.row_threads):
+                if b + t < BINS:
+                    hist[b + t] = 0
+            self.row_sync()
+            for r in range(rounds):  # the same count on every thread of the row: match_any needs the warp
+                block = init_end + r * p.row_threads + t
+                digit = cutlass.Int32(-1)
+                if block < local_start:
+                    unsigned_key = self.order_key(row[block]) ^ INT32_MIN
+                    if (unsigned_key & mask) == prefix:
+                        digit = (unsigned_key >> shift) & (BINS - 1)
+                peers = self.match_any(digit)
+                lane_below = (cutlass.Int32(1) << cute.arch.lane_idx()) - 1
+                if digit >= 0 and (peers & lane_below) == 0:  # the lowest lane of those holding this byte
+                    cute.arch.atomic_add(hist.iterator + digit, cute.arch.popc(peers), scope="cta")
+            self.row_sync()
+            # Bins from the top: thread t holds bins BINS-1 - t*bins_per_thread, ... down.
+            count = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(p.bins_per_thread):
+                if t * p.bins_per_thread + j < BINS:
+                    count += hist[BINS - 1 - t * p.bins_per_thread - j]
+            above, _, _, _ = self.row_scan(count, cutlass.Int32(0), t, shared)
+            for j in cutlass.range_constexpr(p.bins_per_thread):
+                if t * p.bins_per_thread + j < BINS:
+                    bin_ = BINS - 1 - t * p.bins_per_thread - j
+                    in_bin = hist[bin_]
+                    if above < need and above + in_bin >= need:
+                        found[0] = bin_
+                        found[1] = above
+                    above += in_bin
+            self.row_sync()
+            prefix = prefix | (found[0] << shift)
+            need = need - found[1]
+        return prefix ^ INT32_MIN, need
 
     @cute.jit
-    def row_prefix(self, ballot, lanes_below, exchange, warp):
-        """(set bits of the ballots of the row's lower threads, set bits in the whole row)."""
-        below = cute.arch.popc(ballot & lanes_below)
-        total = cute.arch.popc(ballot)
+    def match_any(self, value: cutlass.Int32) -> cutlass.Int32:
+        """The lanes of the warp holding the same value (match.any.sync)."""
+        return cute.arch.inline_ptx(
+            "match.any.sync.b32 {$w0}, {$r0}, 0xffffffff;", write_only_types=[cutlass.Int32], read_only_args=[value]
+        )
+
+    @cute.jit
+    def row_sync(self):
+        if cutlass.const_expr(self.p.warp_rows):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def row_scan(self, a, b, t, shared):
+        """Exclusive prefix sums over the row's threads of two counts, and their totals:
+        (a before t, a total, b before t, b total)."""
+        _, exchange, _ = shared
+        lane = cute.arch.lane_idx()
+        a_incl, b_incl = a, b
+        for step in cutlass.range_constexpr(5):
+            a_up = cute.arch.shuffle_sync_up(a_incl, 1 << step)
+            b_up = cute.arch.shuffle_sync_up(b_incl, 1 << step)
+            if lane >= 1 << step:
+                a_incl += a_up
+                b_incl += b_up
+        a_before, b_before = a_incl - a, b_incl - b
+        a_total = cute.arch.shuffle_sync(a_incl, WARP - 1)
+        b_total = cute.arch.shuffle_sync(b_incl, WARP - 1)
         if cutlass.const_expr(not self.p.warp_rows):
-            cute.arch.sync_threads()
-            if cute.arch.lane_idx() == 0:
-                exchange[warp] = total
-            cute.arch.sync_threads()
-            total = cutlass.Int32(0)
-            for w in cutlass.range_constexpr(self.p.row_threads // WARP):
+            warp = t // WARP
+            self.row_sync()  # every warp has read the previous scan's totals
+            if lane == WARP - 1:
+                exchange[0, warp] = a_incl
+                exchange[1, warp] = b_incl
+            self.row_sync()
+            a_total = cutlass.Int32(0)
+            b_total = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(self.p.row_warps):
                 if w < warp:
-                    below += exchange[w]
-                total += exchange[w]
-        return below, total
+                    a_before += exchange[0, w]
+                    b_before += exchange[1, w]
+                a_total += exchange[0, w]
+                b_total += exchange[1, w]
+        return a_before, a_total, b_before, b_total
 
 
 def topk_blocks(
@@ -223,16 +300,17 @@ def topk_blocks(
     positions: torch.Tensor,
     shape: MSAShape,
     out: torch.Tensor | None = None,
-    row_threads: int = CTA_THREADS,
+    row_threads: int | None = None,
+    phase: Phase = "decode",
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores and int32 positions (as
     PagedBatch.positions) on Hopper; ties go to the lower block number. out: [T, Hi, K] int32 to write
-    (a slice of a step's selection), else a new tensor. row_threads: threads per row (TopkBlocksParams;
-    kernels/bench/bench_topk.py times the choices)."""
+    (a slice of a step's selection), else a new tensor. row_threads: threads per row (TopkBlocksParams),
+    else the phase's choice (ROW_THREADS)."""
     num_tokens, num_heads, _ = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
     if num_tokens:
-        _kernel(shape, row_threads)(scores.contiguous().view(torch.int32), positions, result)
+        _kernel(shape, row_threads or ROW_THREADS[phase])(scores.contiguous().view(torch.int32), positions, result)
     return copy_into(result, out)
 
 
