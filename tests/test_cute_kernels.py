@@ -374,12 +374,12 @@ def test_topk_kernel_matches_reference(k, local, init, ties, row_threads):
     scores = scores.masked_fill(blocks > (positions // 128)[:, None, None], float("-inf"))  # as the index-score kernels
     poison = torch.full(size[:2] + (k,), 7777, dtype=torch.int32, device="cuda")
     del poison  # the kernel's output reuses this memory: every slot must be written
-    got = topk_blocks.topk_blocks(scores, positions, shape, row_threads=row_threads)
+    got = topk_blocks.topk_blocks(scores, positions, shape, threads=row_threads)
     want = reference.topk_blocks(scores, positions, shape)
     assert torch.equal(got, want)
     # out=: the rows of a larger selection (a step's decode or prefill part), nothing outside them
     step = torch.full((size[0] + 2, size[1], k), 7777, dtype=torch.int32, device="cuda")
-    selected = topk_blocks.topk_blocks(scores, positions, shape, out=step[1:-1], row_threads=row_threads)
+    selected = topk_blocks.topk_blocks(scores, positions, shape, out=step[1:-1], threads=row_threads)
     assert selected.data_ptr() == step[1:-1].data_ptr()
     assert torch.equal(step[1:-1], want) and (step[[0, -1]] == 7777).all()
 

@@ -7,8 +7,7 @@ M3's selection (top-16 of 128-token blocks, the query's own block forced) on ran
 each token's block as the index-score kernels leave them. Decode: one row per (sequence, index head) at the end of
 each context, batch 1 / 8 / 32, timed in CUDA graphs as vLLM replays decode. Prefill: every token of one prompt
 of the context (rows = tokens x Hi), timed eagerly. Each choice of threads per row is checked against the PyTorch
-reference on every shape before it is timed; the fastest is marked (topk_blocks.ROW_THREADS holds the choice per
-phase).
+reference on every shape before it is timed; the fastest is marked (topk_blocks.row_threads holds the choice).
 """
 
 import argparse
@@ -35,10 +34,10 @@ def time_row_threads(name: str, positions: torch.Tensor, max_blocks: int, row_th
     want = reference.topk_blocks(scores, positions, M3_SHAPE)
     times = {}
     for threads in row_threads:
-        got = topk_blocks.topk_blocks(scores, positions, M3_SHAPE, row_threads=threads)
+        got = topk_blocks.topk_blocks(scores, positions, M3_SHAPE, threads=threads)
         if not torch.equal(got, want):
             raise AssertionError(f"{name}: {threads} threads per row select other blocks than the reference")
-        call = lambda: topk_blocks.topk_blocks(scores, positions, M3_SHAPE, row_threads=threads)  # noqa: E731
+        call = lambda: topk_blocks.topk_blocks(scores, positions, M3_SHAPE, threads=threads)  # noqa: E731
         times[threads] = (graph_timed if graphs else timed)(call)
     best = min(times, key=times.get)
     cells = [f"{t * 1e6:.1f}{' *' if threads == best else ''}" for threads, t in times.items()]

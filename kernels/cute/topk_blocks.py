@@ -43,12 +43,20 @@ CTA_THREADS = 128  # threads of a CTA of warp rows (4 rows)
 BINS = 256  # one radix digit: a byte of the key
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
-ROW_THREADS = {"decode": 256, "prefill": WARP}  # threads per row by phase, by bench_topk.py on the H200
 
 
 def _int32(value: int) -> int:
     """A 32-bit pattern as the signed int the kernel's Int32 arithmetic holds."""
     return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def row_threads(phase: Phase, max_blocks: int) -> int:
+    """Threads per row, as bench_topk.py measured on the H200 (M3's top-16): prefill rows are many, a warp each
+    (2.28 ms at 128K against 2.56 ms with a CTA of 128); a decode row gets a thread per block from 128 up to 512
+    (8K context: 128, 32K: 256, 128K and 1M: 512)."""
+    if phase == "prefill":
+        return WARP
+    return min(512, max(CTA_THREADS, 1 << (max_blocks - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,9 @@ class TopkBlocksKernel:
         warp = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
         # Per row: its histogram, the warps' totals of a row-wide scan (two values each), the byte found.
-        hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, BINS)), byte_alignment=16)
+        hist = smem.allocate_tensor(
+            cutlass.Int32, cute.make_layout((p.rows_per_cta, BINS), stride=(BINS, 1)), byte_alignment=16
+        )  # row-major: a row's bins are contiguous, as its atomics address them
         exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2, p.row_warps)))
         found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2)))
         head, t, slot = head_group, tidx, 0  # the row, this thread's index in it, the row's shared memory
@@ -300,17 +310,18 @@ def topk_blocks(
     positions: torch.Tensor,
     shape: MSAShape,
     out: torch.Tensor | None = None,
-    row_threads: int | None = None,
+    threads: int | None = None,
     phase: Phase = "decode",
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.topk_blocks, for fp32 scores and int32 positions (as
     PagedBatch.positions) on Hopper; ties go to the lower block number. out: [T, Hi, K] int32 to write
-    (a slice of a step's selection), else a new tensor. row_threads: threads per row (TopkBlocksParams),
-    else the phase's choice (ROW_THREADS)."""
+    (a slice of a step's selection), else a new tensor. threads: threads per row (TopkBlocksParams), else
+    row_threads' choice for the phase and the row length."""
     num_tokens, num_heads, _ = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
     if num_tokens:
-        _kernel(shape, row_threads or ROW_THREADS[phase])(scores.contiguous().view(torch.int32), positions, result)
+        threads = threads or row_threads(phase, scores.shape[-1])
+        _kernel(shape, threads)(scores.contiguous().view(torch.int32), positions, result)
     return copy_into(result, out)
 
 
