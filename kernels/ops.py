@@ -20,7 +20,7 @@ else the PyTorch reference (kernels/reference.py):
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
                                                            sparse_attn.py (K/V cache contiguous)
-                      (an FP8 K/V cache: the reference in both phases)
+                      (an FP8 K/V cache: sparse_attn.py in both phases; a strided K/V cache: the reference)
 
 A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
 step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
@@ -318,20 +318,29 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given).
 
-    An FP8 K/V cache (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) runs the reference:
-    no kernel reads FP8 K/V yet."""
+    An FP8 K/V cache (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) runs
+    _fp8_kv_attention in both phases; a strided K/V cache the reference."""
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
-    if reference.is_fp8_kv(kv_cache):
-        return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
-    contiguous = kv_cache.is_contiguous()
+    if not kv_cache.is_contiguous() or reference.is_fp8_kv(kv_cache):
+        attend = _fp8_kv_attention(q.device, q.dtype, shape) if kv_cache.is_contiguous() else reference.sparse_attention
+        return attend(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
     for rows, part in _parts(batch):
-        attend = (
-            _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
-            if contiguous
-            else reference.sparse_attention
-        )
+        attend = _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
         attend(_rows(q, rows), kv_cache, part, _rows(selected, rows), shape, scale, out=_rows(result, rows))
     return result
+
+
+@functools.cache
+def _fp8_kv_attention(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> Callable:
+    """What attends over an FP8 K/V cache: on Hopper the per-token CuTeDSL kernel (sparse_attn.py, e4m3 pages
+    widened in shared memory) for decode and prefill tokens alike (the prefill attention kernel reads bf16 only),
+    else the reference."""
+    if _on_hopper(device):
+        from msa_kernels.cute import sparse_attn
+
+        if sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
+            return sparse_attn.sparse_attention
+    return reference.sparse_attention
 
 
 def msa_attention(

@@ -105,6 +105,12 @@ def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated
     compiles_and_caches(SparseAttentionKernel, SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
 
 
+@pytest.mark.parametrize("hq, hkv, hi, d", [(64, 4, 4, 128), (8, 2, 4, 32)])
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
+    compiles_and_caches(SparseAttentionKernel, SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True), sm90a)
+
+
 def prefill_attention_serves(hq: int, hi: int, d: int, block_size: int, dtype=torch.bfloat16) -> bool:
     return PrefillAttentionKernel.can_implement(dtype, hq, hi, d, block_size)
 
@@ -431,6 +437,41 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
         )
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert torch.isfinite(got).all()
+    cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
+    rel = (got.double() - want).norm() / want.norm()
+    assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ATTENTION_CASES)
+@pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
+def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d):
+    """e4m3 pages with per-tensor scales (NaN bytes in unowned slots), through ops as a served layer's decode and
+    prefill parts call it, against the reference's e4m3 x scale in float64."""
+    from msa_kernels import ops
+
+    shape = MSAShape(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        num_index_heads=hi,
+        num_index_key_heads=1,
+        index_head_dim=64,
+        topk_blocks=16,
+    )
+    q_lens, seq_lens = ATTENTION_CASES[case_name]
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
+    kv_scales = (0.37, 1.9)
+    fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
+    assert ops._fp8_kv_attention(case.q.device, case.q.dtype, shape) is sparse_attn.sparse_attention
+    selected = case.reference_selection()
+    out = torch.full_like(case.q, float("nan"))
+    got = ops.sparse_attention(case.q, fp8, case.batch, selected, shape, case.scale, out=out, kv_scales=kv_scales)
+    want = reference.sparse_attention(
+        case.q.double(), fp8, case.batch, selected, shape, case.scale, kv_scales=kv_scales
+    )
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
     rel = (got.double() - want).norm() / want.norm()
     assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())

@@ -1,6 +1,7 @@
 """Benchmark: CuTeDSL MSA layer steps vs dense attention on the same shapes, on one GPU, in one run.
 
-    python kernels/bench/bench_sparse_attention.py [--trained FILE]   (on the GPU machine, CuTeDSL installed)
+    python kernels/bench/bench_sparse_attention.py [--trained FILE] [--sections decode fp8_kv splits prefill]
+        (on the GPU machine, CuTeDSL installed)
 
 M3 shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, k 16, bf16. Ceilings measured in the same run:
 device copy bandwidth and an 8192^3 bf16 matmul. Dense attention is torch SDPA on contiguous K/V
@@ -16,6 +17,8 @@ decode:  one query token per sequence; sparse attention (sparse_attn.sparse_atte
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
          (msa_kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
+fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes).
+splits:  the decode split-K sweep, the attention kernel and combine.py timed apart.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
          Dp * tokens x keys of the visible blocks; MSA layer as for decode.
@@ -28,10 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from msa_kernels import ops
+from msa_kernels import ops, reference
 from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
 from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
+from msa_kernels.cute.combine import combine_splits
+
+SECTIONS = ["decode", "fp8_kv", "splits", "prefill"]
 
 
 def dense_attention(q, k, v):
@@ -98,9 +104,32 @@ def decode(bw, trained: dict):
         )
 
 
+def decode_fp8_kv(bw):
+    """The decode sparse attention over an FP8 K/V cache (e4m3 pages, per-tensor scales) against bf16 pages of the
+    same selections: time and the fraction of the copy bandwidth on the bytes each reads (FP8: half)."""
+    print("\n## decode over an FP8 K/V cache (CUDA-graph times)\n")
+    print("| context | batch | bf16 K/V us | FP8 K/V us | FP8 / bf16 | FP8 GB/s | FP8 % copy bw |")
+    print("|---|---|---|---|---|---|---|")
+    kv_scales = (0.05, 0.05)
+    for context in CONTEXTS:
+        for batch in DECODE_BATCHES:
+            pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
+            fp8_kv = reference.fp8_kv_cache(kv, kv_scales)
+            nbytes = selected_kv_bytes(batch, context) // 2
+            t_bf16 = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE))
+            t_fp8 = graph_timed(
+                lambda: sparse_attn.sparse_attention(q, fp8_kv, pb, selected, M3_SHAPE, SCALE, kv_scales=kv_scales)
+            )
+            print(
+                f"| {context} | {batch} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | {t_fp8 / t_bf16:.2f} | "
+                f"{nbytes / t_fp8 / 1e9:.0f} | {100 * nbytes / t_fp8 / bw:.0f}% |"
+            )
+
+
 def decode_splits(bw):
     """Split-K sweep at the longest context, batch 1 and the largest batch: what sparse_attn.num_splits chooses
-    against every split count (a split takes a run of the selection's K/V tiles)."""
+    against every split count (a split takes a run of the selection's K/V tiles), with the attention kernel and
+    combine.py's merge timed apart."""
     context = CONTEXTS[-1]
     params = sparse_attn.SparseAttentionParams(
         M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim
@@ -110,14 +139,27 @@ def decode_splits(bw):
     for batch in (1, DECODE_BATCHES[-1]):
         chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
         print(f"\n## decode split-K sweep ({context} x {batch}; {resident} resident CTAs; num_splits picks {chosen})\n")
-        print("| splits | sparse attn us | % copy bw |")
-        print("|---|---|---|")
+        print("| splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
+        print("|---|---|---|---|---|---|")
         pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
         nbytes = selected_kv_bytes(batch, context)
-        for splits in sorted({1, 2, 3, 4, 8, 16, 32, chosen}):
+        inputs = sparse_attn.attention_inputs(q, kv, pb, selected)
+        out = torch.empty_like(q)
+        for splits in sorted({1, 2, 4, 8, 16, 32, chosen}):
             t = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits))
+            plan = sparse_attn._launch_plan(M3_SHAPE, batch, M3_SHAPE.topk_blocks, splits, False, False, 0)
+            lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
+            partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
+            target = partial if plan.splits > 1 else out.view(1, *q.shape)
+            q_, kv_, table, seq_lens, positions, selected_ = inputs
+            arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse, None)
+            t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
+            t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
             mark = " (chosen)" if splits == chosen else ""
-            print(f"| {splits}{mark} | {t * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |")
+            print(
+                f"| {plan.splits}{mark} | {plan.tiles_per_split} | {t * 1e6:.1f} | {t_kernel * 1e6:.1f} | "
+                f"{t_combine * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |"
+            )
 
 
 def prefill(flops):
@@ -159,6 +201,7 @@ def prefill(flops):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trained", help="training/trained_selections.py's file: decode rows with its selections")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, help="tables to run (all)")
     args = parser.parse_args()
     trained = load_trained_selections(args.trained) if args.trained else {}
     t0 = time.time()
@@ -167,9 +210,14 @@ def main():
         f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read+write), "
         f"bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
-    decode(bw, trained)
-    decode_splits(bw)
-    prefill(flops)
+    if "decode" in args.sections:
+        decode(bw, trained)
+    if "fp8_kv" in args.sections:
+        decode_fp8_kv(bw)
+    if "splits" in args.sections:
+        decode_splits(bw)
+    if "prefill" in args.sections:
+        prefill(flops)
     print(f"\ntotal {time.time() - t0:.0f} s")
 
 

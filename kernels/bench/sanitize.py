@@ -11,7 +11,8 @@ the selection and output against the reference. ops splits each batch into its d
 scores: the decode kernel; top-k; sparse attention: split-K + combine) and its prefill part (the
 prefill index-score kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
 leaves); the demo shape's prefill part attends on the per-token kernel (the prefill attention kernel
-does not serve 2 query heads an index head).
+does not serve 2 query heads an index head). Each case's selection then attends over an FP8 K/V cache of the
+same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike).
 """
 
 import torch
@@ -59,6 +60,15 @@ def main() -> None:
         same = torch.equal(selected, want_sel)
         print(f"{name}: {ops.describe(case.q.device, case.q.dtype, shape)}; selection equal: {same}, cosine {cos:.5f}")
         assert same and cos >= 0.99
+        kv_scales = (0.5, 2.0)  # the same selection over an FP8 K/V cache (sparse_attn.py reads the e4m3 pages)
+        fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
+        out = ops.sparse_attention(case.q, fp8, case.batch, want_sel, shape, case.scale, kv_scales=kv_scales)
+        want = reference.sparse_attention(
+            case.q.float(), fp8, case.batch, want_sel, shape, case.scale, kv_scales=kv_scales
+        )
+        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
+        print(f"{name}, FP8 K/V: cosine {cos:.5f}")
+        assert cos >= 0.99
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ that kernel marked handled).
 Keys past the request's length are zero-filled in shared memory, so stale cache slots (NaN in the
 tests) never reach the MMAs.
 
+An FP8 K/V cache (vLLM's e4m3 bytes with a per-tensor k_scale and v_scale; SparseAttentionParams.fp8_kv)
+is gathered by the same cp.async ring into an e4m3 staging ring, which the warp widens into the bf16 tiles
+(every e4m3 value is a bf16 value) before the MMAs; k_scale is folded into the softmax scale and v_scale into
+the output's normalisation, as reference.sparse_attention's e4m3 x scale.
+
 Launchers: sparse_attention (the decode phase's attention, split-K sized by num_splits) and
 attend_per_token (the same on converted inputs, also for the tiles sparse_attn_prefill.py leaves).
 """
@@ -45,6 +50,7 @@ from msa_kernels.cute.warp_mma import (
     rows_cols,
     swizzled_rows,
 )
+from msa_kernels.reference import is_fp8_kv
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -64,6 +70,7 @@ class SparseAttentionParams:
     tile_keys: int = 64  # keys per K/V shared-memory stage
     split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
     gated: bool = False  # skip the (token, index head) rows that `handled` marks (the prefill kernel's)
+    fp8_kv: bool = False  # the K/V cache holds e4m3 values (read as Float8E4M3FN), scaled per tensor
 
     @property
     def heads_per_index_head(self) -> int:
@@ -98,7 +105,7 @@ class SparseAttentionKernel:
         bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
         return (
             row_major(bf16, 3, align=16),  # q
-            row_major(bf16, 5, align=16),  # kv_cache
+            row_major(cutlass.Float8E4M3FN if params.fp8_kv else bf16, 5, align=16),  # kv_cache
             row_major(i32, 2),  # block_table
             row_major(i32, 1),  # seq_lens
             row_major(i32, 1),  # token_request
@@ -107,7 +114,8 @@ class SparseAttentionKernel:
             row_major(f32 if params.split else bf16, 4, align=16),  # out
             row_major(f32, 3),  # out_lse
             row_major(i32, 2) if params.gated else None,  # handled
-            cutlass.Float32(1.0),
+            cutlass.Float32(1.0),  # scale (x k_scale for FP8 K/V)
+            cutlass.Float32(1.0),  # v_scale
             cutlass.Int32(1),
             env_stream(),
         )
@@ -116,7 +124,7 @@ class SparseAttentionKernel:
     def __call__(
         self,
         q: cute.Tensor,  # [T, Hq, D] bf16
-        kv_cache: cute.Tensor,  # [pages, 2, B, Hkv, D] bf16
+        kv_cache: cute.Tensor,  # [pages, 2, B, Hkv, D] bf16, or e4m3 (fp8_kv)
         block_table: cute.Tensor,  # [R, max_blocks] int32
         seq_lens: cute.Tensor,  # [R] int32
         token_request: cute.Tensor,  # [T] int32
@@ -125,7 +133,8 @@ class SparseAttentionKernel:
         out: cute.Tensor,  # [S, T, Hq, D]: bf16 final output (S == 1), or fp32 partials (split)
         out_lse: cute.Tensor,  # [S, T, Hq] fp32
         handled: cute.Tensor | None,  # [T, Hi] int32, gated only: nonzero rows are already written
-        scale: cutlass.Float32,
+        scale: cutlass.Float32,  # the softmax scale, times k_scale for FP8 K/V
+        v_scale: cutlass.Float32,  # 1, or the FP8 cache's v_scale
         tiles_per_split: cutlass.Int32,
         stream: cuda.CUstream,
     ):
@@ -133,14 +142,23 @@ class SparseAttentionKernel:
         bf16 = cutlass.BFloat16
         q_layout = swizzled_rows(p.head_dim, ROWS)
         kv_layout = swizzled_rows(p.head_dim, p.tile_keys, 2)
+        kv_dtype = kv_cache.element_type
+        staging_layout = cute.make_layout(
+            (p.tile_keys, p.head_dim, 2), stride=(p.head_dim, 1, p.tile_keys * p.head_dim)
+        )  # row-major e4m3 stages
+        staging_size = cute.cosize(staging_layout) if p.fp8_kv else 1
 
         @cute.struct
         class Storage:
             sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
+            sK8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]  # fp8_kv: e4m3 staging
+            sV8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]
 
-        gmem_copy = row_copy(bf16, self.threads, p.head_dim, cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL))
+        cp_async = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        gmem_copy = row_copy(bf16, self.threads, p.head_dim, cp_async)
+        kv_copy = row_copy(kv_dtype, self.threads, p.head_dim, cp_async)
         mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16)), (1, 1, 1), permutation_mnk=(ROWS, 16, 16)
         )
@@ -159,10 +177,13 @@ class SparseAttentionKernel:
             handled,
             scale * LOG2_E,
             scale,
+            v_scale,
             tiles_per_split,
             q_layout,
             kv_layout,
+            staging_layout,
             gmem_copy,
+            kv_copy,
             mma,
             Storage,
         ).launch(
@@ -187,10 +208,13 @@ class SparseAttentionKernel:
         handled: cute.Tensor | None,
         scale_log2: cutlass.Float32,
         scale: cutlass.Float32,
+        v_scale: cutlass.Float32,
         tiles_per_split: cutlass.Int32,
         q_layout: cute.ComposedLayout,
         kv_layout: cute.ComposedLayout,
+        staging_layout: cute.Layout,
         gmem_copy: cute.TiledCopy,
+        kv_copy: cute.TiledCopy,
         mma: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
@@ -236,8 +260,14 @@ class SparseAttentionKernel:
             sV, cute.make_layout((p.head_dim, p.tile_keys, 2), stride=(p.tile_keys, 1, p.tile_keys * p.head_dim))
         )
 
+        # K/V tiles land in sK / sV, or (fp8_kv) in the e4m3 staging ring sK8 / sV8 that convert_tile widens.
+        sK_load, sV_load = sK, sV
+        if cutlass.const_expr(p.fp8_kv):
+            sK_load = storage.sK8.get_tensor(staging_layout)
+            sV_load = storage.sV8.get_tensor(staging_layout)
         thr_copy = gmem_copy.get_slice(tidx)
-        tile_coords = thr_copy.partition_S(cute.make_identity_tensor((p.tile_keys, p.head_dim)))
+        kv_thr_copy = kv_copy.get_slice(tidx)
+        tile_coords = kv_thr_copy.partition_S(cute.make_identity_tensor((p.tile_keys, p.head_dim)))
 
         # Q rows of this tile; rows past the group are zero.
         gQ = cute.local_tile(cute.domain_offset((head0, 0), q[token, None, None]), (ROWS, p.head_dim), (0, 0))
@@ -279,15 +309,19 @@ class SparseAttentionKernel:
             seq_len=seq_len,
         )
         if num_tiles > 0:
-            self._load_tile(tile_source, 0, 0, sK, sV, thr_copy, gmem_copy, tile_coords)
+            self._load_tile(tile_source, 0, 0, sK_load, sV_load, kv_thr_copy, kv_copy, tile_coords)
         cute.arch.cp_async_commit_group()
         for tile in range(num_tiles):
             stage = tile % 2
             if tile + 1 < num_tiles:
-                self._load_tile(tile_source, tile + 1, 1 - stage, sK, sV, thr_copy, gmem_copy, tile_coords)
+                self._load_tile(tile_source, tile + 1, 1 - stage, sK_load, sV_load, kv_thr_copy, kv_copy, tile_coords)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_warp()
+            if cutlass.const_expr(p.fp8_kv):
+                for staged, tile_smem in ((sK_load, sK), (sV_load, sV)):
+                    self._widen(kv_thr_copy, staged[None, None, stage], tile_smem[None, None, stage])
+                cute.arch.sync_warp()
 
             # S = Q K^T over the head dim
             tSsK = copy_k.partition_S(sK[None, None, stage])
@@ -326,7 +360,7 @@ class SparseAttentionKernel:
             row = out_coords[r, 0][0]
             if row < rows and skipped == 0:
                 for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                    value = acc_o_mn[r, c] * inv
+                    value = acc_o_mn[r, c] * inv * v_scale
                     if cutlass.const_expr(p.split):
                         out[split, token, head0 + row, out_coords[r, c][1]] = value
                     else:
@@ -336,6 +370,17 @@ class SparseAttentionKernel:
                     if total > 0.0:
                         lse = row_max[r] * scale + cute.math.log(total, fastmath=True)
                     out_lse[split, token, head0 + row] = lse
+
+    @cute.jit
+    def _widen(self, kv_thr_copy, staged: cute.Tensor, tile_smem: cute.Tensor):
+        """e4m3 -> bf16 (exact) of the chunks of one stage this thread loaded, into the MMAs' tile."""
+        src = kv_thr_copy.partition_D(staged)
+        dst = kv_thr_copy.partition_D(tile_smem)
+        for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                chunk = cute.make_fragment_like(src[None, i, j])
+                cute.autovec_copy(src[None, i, j], chunk)
+                dst[None, i, j].store(chunk.load().to(cutlass.Float32).to(cutlass.BFloat16))
 
     @cute.jit
     def _load_tile(self, source: SimpleNamespace, tile, stage, sK, sV, thr_copy, gmem_copy, tile_coords):
@@ -370,7 +415,8 @@ def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
 
     q_tile = aligned(ROWS * params.head_dim * 2)
     kv_ring = aligned(2 * params.tile_keys * params.head_dim * 2)  # two stages, bf16
-    return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + 1024)))
+    staging = 2 * aligned(2 * params.tile_keys * params.head_dim) if params.fp8_kv else 0  # two e4m3 stages, K and V
+    return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + staging + 1024)))
 
 
 def num_splits(num_tokens: int, params: SparseAttentionParams, tiles: int, resident_ctas: int) -> tuple[int, int]:
@@ -395,8 +441,10 @@ def num_splits(num_tokens: int, params: SparseAttentionParams, tiles: int, resid
 
 def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, selected: torch.Tensor) -> tuple:
     """(q, kv_cache, block_table, seq_lens, positions, selected) as both attention kernels take them (q and
-    selected contiguous; the batch's index tensors are int32, selected must be), made once: the prefill
-    kernel and the per-token kernel for the tiles it leaves share them."""
+    selected contiguous; the batch's index tensors are int32, selected must be; an FP8 K/V cache's bytes as
+    e4m3), made once: the prefill kernel and the per-token kernel for the tiles it leaves share them."""
+    if is_fp8_kv(kv_cache):
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)
     return (q.contiguous(), kv_cache, batch.block_table, batch.seq_lens, batch.positions, selected.contiguous())
 
 
@@ -409,17 +457,18 @@ def sparse_attention(
     scale: float,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs and int32 selections on
-    Hopper: one token per CTA.
+    """Same contract as msa_kernels.reference.sparse_attention, for bf16 queries, a bf16 or FP8
+    (reference.is_fp8_kv, dequantised with kv_scales) K/V cache and int32 selections on Hopper: one token per
+    CTA.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
     tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block).
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    attend_per_token(
-        attention_inputs(q, kv_cache, batch, selected), batch, shape, selected.shape[-1], result, scale, splits
-    )
+    inputs = attention_inputs(q, kv_cache, batch, selected)
+    attend_per_token(inputs, batch, shape, selected.shape[-1], result, scale, splits, kv_scales=kv_scales)
     return copy_into(result, out)
 
 
@@ -432,20 +481,23 @@ def attend_per_token(
     scale: float,
     splits: int | None = None,
     handled: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """The per-token kernel on attention_inputs into the contiguous result [T, Hq, D]: split-K merged by
     combine.py where splits > 1; with `handled` ([T, Hi] int32, the prefill kernel's flags) the gated
-    variant, which skips the rows already written."""
+    variant, which skips the rows already written. kv_scales: an FP8 cache's (k_scale, v_scale)."""
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     q, kv_cache, block_table, seq_lens, positions, selected = inputs
-    plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, result.device.index or 0)
+    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
+    plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, fp8_kv, result.device.index or 0)
     token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
+    scales = (scale * kv_scales[0], kv_scales[1])  # k_scale folds into the softmax scale
     lse = torch.empty((plan.splits, num_tokens, hq), dtype=torch.float32, device=result.device)
     if plan.splits == 1:
-        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, scale, plan.tiles_per_split)
+        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, *scales, plan.tiles_per_split)
     else:
         partial = torch.empty((plan.splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
-        plan.kernel(*token_inputs, partial, lse, None, scale, plan.tiles_per_split)
+        plan.kernel(*token_inputs, partial, lse, None, *scales, plan.tiles_per_split)
         combine_splits(partial, lse, result)
 
 
@@ -457,12 +509,18 @@ class LaunchPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(
-    shape: MSAShape, num_tokens: int, topk: int, splits: int | None, gated: bool, device_index: int
+    shape: MSAShape, num_tokens: int, topk: int, splits: int | None, gated: bool, fp8_kv: bool, device_index: int
 ) -> LaunchPlan:
     """The compiled kernel and split-K of a call (splits: the caller's, else num_splits'), worked out once
     per call shape: an eager layer call pays a cache lookup, not the search."""
     params = SparseAttentionParams(
-        shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, shape.block_size, gated=gated
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        shape.num_index_heads,
+        shape.head_dim,
+        shape.block_size,
+        gated=gated,
+        fp8_kv=fp8_kv,
     )
     tiles = topk * params.tiles_per_block
     if splits is None:
