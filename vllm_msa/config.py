@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
-FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache: the PyTorch path reads it, so CPU only for now
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache: served on CPU only for now (not run end to end on a GPU)
 SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)  # --kv-cache-dtype values FLASH_MSA serves
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
@@ -291,9 +291,9 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
         )
     if cache.cache_dtype in FP8_CACHE_DTYPES and (device_type := vllm_config.device_config.device_type) != "cpu":
         raise MSAConfigError(
-            f"--kv-cache-dtype {cache.cache_dtype} is served on CPU only so far: FLASH_MSA's {device_type} kernels "
-            "read K/V in the model's dtype (the PyTorch path that reads e4m3 K/V would make every step slow); leave it "
-            "out. "
+            f"--kv-cache-dtype {cache.cache_dtype} is served on CPU only so far: FLASH_MSA has not served an FP8 K/V "
+            f"cache end to end on {device_type} (its sparse attention kernel reads e4m3 pages, slower than bf16 "
+            "ones so far); leave it out. "
             'FP8 index keys run on the GPU: --attention-config \'{"indexer_kv_dtype": "fp8"}\''
         )
     served_indexer_kv_dtype(vllm_config, msa)

@@ -9,7 +9,8 @@ decode phase
   index_scores_fp8.py      Fp8IndexScoreKernel, fp8_index_block_scores: the same on FP8 index-key pages
                            (mma.sync on the e4m3 keys widened to f16)
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
-                           blocks, one token per CTA (mma.sync), split-K over the blocks
+                           blocks, one token per CTA (mma.sync), split-K over their K/V tiles; bf16 or
+                           FP8 (e4m3) K/V pages (an FP8 cache's prefill tokens too)
   combine.py               CombineKernel, combine_splits: merges those split-K partials
 prefill phase
   index_scores_prefill.py  PrefillIndexScoreKernel, prefill_index_block_scores: the same scores on
@@ -18,8 +19,8 @@ prefill phase
                            read the union of their blocks once (TMA + warpgroup MMAs); the tiles it
                            leaves go to sparse_attn.py's gated variant (attend_per_token)
 both phases
-  topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (threshold
-                           search, one CTA per row)
+  topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (radix select,
+                           a CTA per decode row, a warp per prefill row)
   fp8_index_key_write.py   Fp8IndexKeyWriteKernel, write_index_keys: the step's index keys quantised
                            into FP8 index-key pages on the device (no host sync)
 shared
