@@ -416,6 +416,21 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     """prefill_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
+    shape, case = attention_case(case_name, hq, hkv, hi, d)
+    selected = case.reference_selection()
+    out = torch.full_like(case.q, float("nan"))
+    if kernel == "per_token":
+        got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
+    else:
+        got = sparse_attn_prefill.prefill_sparse_attention(
+            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union
+        )
+    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
+    assert_close_to_float64(got, want)
+
+
+def attention_case(case_name: str, hq: int, hkv: int, hi: int, d: int):
+    """(shape, bf16 case on the GPU) of one of ATTENTION_CASES with these head counts, 16 blocks selected."""
     shape = MSAShape(
         num_q_heads=hq,
         num_kv_heads=hkv,
@@ -426,16 +441,11 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
         topk_blocks=16,
     )
     q_lens, seq_lens = ATTENTION_CASES[case_name]
-    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
-    selected = case.reference_selection()
-    out = torch.full_like(case.q, float("nan"))
-    if kernel == "per_token":
-        got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
-    else:
-        got = sparse_attn_prefill.prefill_sparse_attention(
-            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union
-        )
-    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
+    return shape, make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
+
+
+def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 kernel output against the float64 reference: finite, cosine >= 0.999, relative error <= 1e-2."""
     assert torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
     rel = (got.double() - want).norm() / want.norm()
@@ -451,17 +461,7 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     prefill parts call it, against the reference's e4m3 x scale in float64."""
     from msa_kernels import ops
 
-    shape = MSAShape(
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        num_index_heads=hi,
-        num_index_key_heads=1,
-        index_head_dim=64,
-        topk_blocks=16,
-    )
-    q_lens, seq_lens = ATTENTION_CASES[case_name]
-    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hq + d + len(case_name))
+    shape, case = attention_case(case_name, hq, hkv, hi, d)
     kv_scales = (0.37, 1.9)
     fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
     assert ops._fp8_kv_attention(case.q.device, case.q.dtype, shape) is sparse_attn.sparse_attention
@@ -471,10 +471,8 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     want = reference.sparse_attention(
         case.q.double(), fp8, case.batch, selected, shape, case.scale, kv_scales=kv_scales
     )
-    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
-    cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
-    rel = (got.double() - want).norm() / want.norm()
-    assert cos >= 0.999 and rel <= 1e-2, (cos.item(), rel.item())
+    assert got.data_ptr() == out.data_ptr()
+    assert_close_to_float64(got, want)
 
 
 @gpu
