@@ -354,7 +354,7 @@ TOPK_POSITIONS = [-1, 0, 5, 127, 128, 129, 1000, 2047, 2048, 4095, 70000, 131071
 @pytest.mark.parametrize("row_threads", [32, 128, 256, 1024])
 def test_topk_kernel_matches_reference(k, local, init, ties, row_threads):
     """Fresh random scores per case; with ties, scores take 4 values, so the lower block must win. Rows run on
-    a warp each (4 rows a CTA, so Hi 5 leaves the last CTA a warp without a row), or a CTA of 128 or 1024."""
+    a warp each (4 rows a CTA, so Hi 5 leaves the last CTA a warp without a row), or a CTA of 128, 256 or 1024."""
     shape = MSAShape(
         num_q_heads=8,
         num_kv_heads=2,
