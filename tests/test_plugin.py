@@ -132,6 +132,27 @@ def test_indexer_kv_dtype_comes_from_the_attention_config_else_msa_config_and_na
     assert index_key_dtype("bf16", FP8_KV_STORAGE) == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    "block_size, user_block_size, cache_dtype, message",
+    [
+        (128, 64, "auto", r"serve this model with --block-size 128 \(its msa_config.block_size\), not 64"),
+        (64, 64, "auto", "msa_config.block_size 64 is not served"),
+        (128, 128, "fp8_e5m2", "--kv-cache-dtype fp8_e5m2 is not served"),
+    ],
+)
+def test_unservable_cache_flags_name_the_fix(block_size, user_block_size, cache_dtype, message):
+    """The cache checks vLLM's config build runs (tests/test_server_config.py runs three such cases through
+    `vllm serve`)."""
+    from vllm_msa.config import _check_cache
+
+    cache = SimpleNamespace(block_size=user_block_size, user_specified_block_size=True, cache_dtype=cache_dtype)
+    vllm_config = SimpleNamespace(cache_config=cache, device_config=SimpleNamespace(device_type="cpu"))
+    vllm_config.attention_config = _attention_config("auto").attention_config
+    msa = MSAModelConfig.from_hf_config(_HF(msa_config=MSA | {"block_size": block_size}))
+    with pytest.raises(MSAConfigError, match=message):
+        _check_cache(vllm_config, msa)
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_fp8_kv_cache_is_served_on_cpu_and_refused_by_name_on_gpus(device_type):
     from vllm_msa.config import _check_cache

@@ -19,27 +19,16 @@ def _hf_overrides(**msa_fields) -> list[str]:
     return ["--hf-overrides", json.dumps({"msa_config": MSA | msa_fields})]
 
 
+# One case per source of the error: a vLLM flag, a model field (through --hf-overrides), the checkpoint itself.
+# tests/test_plugin.py checks every message of those checks in-process.
 BAD_CONFIGS = {
-    "block size other than the MSA block": (
-        ["--block-size", "64"],
-        "serve this model with --block-size 128 (its msa_config.block_size), not 64",
-    ),
-    "index heads not a multiple of the KV heads": (
-        _hf_overrides(num_index_heads=3),
-        "msa_config does not fit this model: invalid MSA shape: num_index_heads 3 must be a multiple of num_kv_heads 2",
-    ),
-    "MSA block size the backend cannot serve": (
-        ["--block-size", "64", *_hf_overrides(block_size=64)],
-        "msa_config.block_size 64 is not served",
-    ),
     "a KV cache format FLASH_MSA does not serve": (
         ["--kv-cache-dtype", "fp8_e5m2"],
         "--kv-cache-dtype fp8_e5m2 is not served",
     ),
-    "an index-key format FLASH_MSA does not serve": (
-        ["--attention-config", json.dumps({"indexer_kv_dtype": "nvfp4"})],
-        "--attention-config indexer_kv_dtype 'nvfp4' is not served: FLASH_MSA keeps index keys as one of "
-        "['auto', 'bf16', 'fp8', 'fp8_e4m3']",
+    "index heads not a multiple of the KV heads": (
+        _hf_overrides(num_index_heads=3),
+        "msa_config does not fit this model: invalid MSA shape: num_index_heads 3 must be a multiple of num_kv_heads 2",
     ),
     "FlashMSAForCausalLM without msa_config": (
         ["--hf-overrides", json.dumps({"msa_config": None})],

@@ -3,7 +3,8 @@ them with VLLM_CPU_OMP_THREADS_BIND="0|1"), answering OpenAI requests.
 
 --tensor-parallel-size 2: the start-up log names each rank's share of the MSA heads (greedy tokens at TP 2
 against TP 1: tests/test_vllm_engine.py). --data-parallel-size 2: two engines, each with its own FLASH_MSA
-caches and its own requests, give every copy of a request the same greedy tokens.
+caches and its own requests, give every copy of a request the same greedy tokens. Both run eagerly
+(--enforce-eager: the start-up skips torch.compile, which tests/test_server.py's server exercises).
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_server_with_tensor_parallel_2_answers_openai_requests(tmp_path):
-    flags = ["--tensor-parallel-size", "2", "--dtype", "float32"]
+    flags = ["--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager"]
     with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         chat = client.chat.completions.create(
@@ -34,7 +35,7 @@ def test_server_with_tensor_parallel_2_answers_openai_requests(tmp_path):
 
 
 def test_server_with_data_parallel_2_gives_every_engine_the_same_tokens(tmp_path):
-    flags = ["--data-parallel-size", "2", "--dtype", "float32"]
+    flags = ["--data-parallel-size", "2", "--dtype", "float32", "--enforce-eager"]
     with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         prompt = list(range(5, 1205))  # 1200 tokens: 10 blocks, each token reads 4 (sparse)
