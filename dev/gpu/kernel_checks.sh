@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On the GPU machine, after `source dev/gpu/install_vllm.sh`: reinstall the plugin (--upgrade: otherwise pip
+# keeps the msa_kernels already in /tmp/site) and run the kernel checks and benchmarks named, each with its
+# own time limit and one summary line here; their logs (and the peer table's report and plots) come back as
+# $OUT/kernel_checks.tgz (a device call brings back few files: one archive).
+#   bash dev/gpu/kernel_checks.sh [tests] [memcheck] [racecheck] [topk] [sparse] [index] [peers] [long]
+# (none named: tests memcheck topk peers). Fits one device call (600 s) as tests + memcheck + topk + peers.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+: "${OUT:?run on the GPU machine: \$OUT is the folder a device call brings back}"
+out=/tmp/kernel_checks
+rm -rf "$out" && mkdir -p "$out"
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . \
+  > "$out/plugin_install.log" 2>&1 || { tail "$out/plugin_install.log"; exit 1; }
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+sanitize=(compute-sanitizer --report-api-errors no)
+
+run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then its last summary line
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $(grep -E 'passed|failed|ERROR SUMMARY|^total|report:' "$out/$name.log" | tail -1)"
+}
+
+[ $# -gt 0 ] || set -- tests memcheck topk peers
+for check in "$@"; do
+  case $check in
+    tests) run pytest_cute 200 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
+    memcheck) run sanitize_memcheck 120 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
+    racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
+    topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
+    sparse) run bench_sparse_attention 150 python3 kernels/bench/bench_sparse_attention.py ;;
+    index) run bench_index_scores 100 python3 kernels/bench/bench_index_scores.py ;;
+    peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
+    long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
+      1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
+    *) echo "unknown check '$check' (tests memcheck racecheck topk sparse index peers long)" >&2; exit 2 ;;
+  esac
+done
+tar czf "$OUT/kernel_checks.tgz" -C /tmp kernel_checks
