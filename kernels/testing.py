@@ -58,6 +58,29 @@ class PagedCase:
         )
         return reference.topk_blocks(scores, self.batch.positions, self.shape)
 
+    def layer_against_reference(self) -> tuple[bool, float, float]:
+        """msa_kernels.ops.msa_attention on the case, into an output filled with NaN first, against the reference's
+        selection and its float32 attention output: (selection equal, output cosine, relative error)."""
+        from msa_kernels import ops  # ops is what this checks; the rest of this module needs only the reference
+
+        out, selected = ops.msa_attention(
+            self.q,
+            self.index_q,
+            self.kv_cache,
+            self.index_key_cache,
+            self.batch,
+            self.shape,
+            self.scale,
+            out=torch.full_like(self.q, float("nan")),
+        )
+        want_selected = self.reference_selection()
+        want = reference.sparse_attention(
+            self.q.float(), self.kv_cache.float(), self.batch, want_selected, self.shape, self.scale
+        )
+        cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
+        rel_err = ((out.float() - want).norm() / want.norm()).item()
+        return torch.equal(selected, want_selected), cosine, rel_err
+
     def dense_causal(self, r: int) -> torch.Tensor:
         """Plain causal GQA attention of request r's queries over its whole context, [q_len, Hq, D] float64."""
         keys, values, _, tokens = self.request_tokens(r)

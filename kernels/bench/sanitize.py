@@ -42,24 +42,10 @@ CASES = {  # name: (shape, q_lens, seq_lens)
 def main() -> None:
     for name, (shape, q_lens, seq_lens) in CASES.items():
         case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=len(name))
-        out, selected = ops.msa_attention(
-            case.q,
-            case.index_q,
-            case.kv_cache,
-            case.index_key_cache,
-            case.batch,
-            shape,
-            case.scale,
-            out=torch.full_like(case.q, float("nan")),
-        )
-        want_sel = case.reference_selection()
-        want = reference.sparse_attention(
-            case.q.float(), case.kv_cache.float(), case.batch, want_sel, shape, case.scale
-        )
-        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
-        same = torch.equal(selected, want_sel)
+        same, cos, _ = case.layer_against_reference()
         print(f"{name}: {ops.describe(case.q.device, case.q.dtype, shape)}; selection equal: {same}, cosine {cos:.5f}")
         assert same and cos >= 0.99
+        want_sel = case.reference_selection()
         kv_scales = (0.5, 2.0)  # the same selection over an FP8 K/V cache (sparse_attn.py reads the e4m3 pages)
         fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
         out = ops.sparse_attention(case.q, fp8, case.batch, want_sel, shape, case.scale, kv_scales=kv_scales)
