@@ -321,8 +321,10 @@ def sparse_attention(
     An FP8 K/V cache (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) runs
     _fp8_kv_attention in both phases; a strided K/V cache the reference."""
     result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
-    if not kv_cache.is_contiguous() or reference.is_fp8_kv(kv_cache):
-        attend = _fp8_kv_attention(q.device, q.dtype, shape) if kv_cache.is_contiguous() else reference.sparse_attention
+    if not kv_cache.is_contiguous():
+        return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
+    if reference.is_fp8_kv(kv_cache):
+        attend = _fp8_kv_attention(q.device, q.dtype, shape)
         return attend(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
     for rows, part in _parts(batch):
         attend = _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
