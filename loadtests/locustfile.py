@@ -5,7 +5,7 @@
 `SoakUser` (the `soak` profile) sends the same with one request in `MSA_LONG_EVERY` on a long prompt, plus
 `/v1/completions [cancelled]` (a stream the client closes after a few content chunks; vLLM must abort
 it) and `/v1/completions [bad: KIND]` (an intended bad request that passes when the server answers 400
-with an error message).
+with an error message); each soak user sends one of each first, then draws by weight.
 
 Locust statistics: one entry per request name, its time the full latency (until `data: [DONE]` for a
 stream); `METRIC ttft_ms` (from just before sending to the first chunk with generated text) and `METRIC
@@ -158,7 +158,16 @@ class VllmOpenAIUser(HttpUser):
 
 
 class SoakUser(VllmOpenAIUser):
-    """The steady mix with short and long prompts, client cancellations and intended bad requests."""
+    """The steady mix with short and long prompts, client cancellations and intended bad requests.
+
+    Each user opens with one cancelled stream and one bad request, so every soak run has both whatever
+    the weighted draw picks afterwards.
+    """
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.cancelled_stream()
+        self.bad_request()
 
     def _prompt_words(self) -> int:
         if self.rng.randrange(workload.LONG_EVERY):
