@@ -177,8 +177,8 @@ class PagedBatch:
             local = [max(first, starts[r]) - first for r in range(r0, r1)] + [end - first]
             cut = [starts[r + 1] - min(end, starts[r + 1]) for r in range(r0, r1)]  # their tokens past the run
             chunk = PagedBatch(
-                query_start_loc=torch.tensor(local, dtype=torch.int32).to(device, non_blocking=True),
-                seq_lens=self.seq_lens[r0:r1] - torch.tensor(cut, dtype=torch.int32).to(device, non_blocking=True),
+                query_start_loc=_to_device(torch.tensor(local, dtype=torch.int32), device),
+                seq_lens=self.seq_lens[r0:r1] - _to_device(torch.tensor(cut, dtype=torch.int32), device),
                 block_table=self.block_table[r0:r1],
                 phase=self.phase,
             )
@@ -231,5 +231,14 @@ class PagedBatch:
             first = starts[request] + (torch.arange(len(request)) - first_tile[request]) * tile_tokens
             end = torch.minimum(first + tile_tokens, starts[request + 1])
             tiles = torch.stack((request, first, end), dim=1).to(torch.int32)
-            cache[tile_tokens] = tiles.to(self.query_start_loc.device)
+            cache[tile_tokens] = _to_device(tiles, self.query_start_loc.device)
         return cache[tile_tokens]
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor copied to `device` without waiting for the device: from pinned memory, asynchronously
+    (a blocking copy, or an asynchronous one from pageable memory, may synchronize the stream: the host would
+    wait for every kernel queued before it, once per prefill step)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
