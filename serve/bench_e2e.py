@@ -20,7 +20,8 @@ and the other servers are still measured.
 --out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length, concurrency
 and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's; with
 speculative decoding also its acceptance rate and length), one SVG bar chart per input length and
-concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON, and the server and bench logs.
+concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON (with each request's TTFT and inter-token latencies,
+--save-detailed: where the median ITL hides which steps were slow), and the server and bench logs.
 
 --speculative-config JSON serves every configuration twice: as it is, and with `--speculative-config
 JSON` (named NAME+METHOD, e.g. FLASH_MSA+ngram), so summary.md has TPOT with and without speculation
@@ -315,6 +316,7 @@ def bench_command(server: Server, input_len: int, concurrency: int, filename: st
         "--num-warmups",
         str(opts.warmups),
         "--save-result",
+        "--save-detailed",
         "--result-dir",
         str(opts.out),
         "--result-filename",
