@@ -4,8 +4,12 @@ Owns the serving comparison of issue 4. Each server configuration is the real `v
 <config args> <extra args>` on 127.0.0.1, sized for the load (--max-num-seqs = the largest --concurrency: few
 CUDA graphs to capture) and without prefix caching (the warm-up requests repeat the first prompt).
 Once /health answers, `vllm bench serve` (fixed input and output lengths, --ignore-eos, bounded
-concurrency, --warmups requests first so kernel compilation and autotuning stay out of the numbers) runs
-once per input length and --concurrency value, then the server stops. Its prompts (--prompts): `random`,
+concurrency) runs once per input length and --concurrency value, then the server stops. Each run first
+sends --warmups x its concurrency unmeasured requests, that many at a time, so the batch sizes it decodes
+at compile and autotune before the numbers: a JIT compile of a new batch shape otherwise lands in the
+measured run (2026-12-04: vLLM's fused_moe Triton kernel compiled during FLASH_MSA's 32K x 16 run, one
+825 ms step, 13 ms on each request's TPOT; the servers benchmarked after it loaded the kernel from Triton's
+cache). Its prompts (--prompts): `random`,
 vLLM's random dataset (random token ids); `repeated`, texts that repeat a random piece of 4 to 300 tokens
 up to the input length (written to --out as prompts-LEN.jsonl, vLLM's custom dataset, as they are;
 vLLM reads them with pandas, which the H200 image has and the CPU .venv has not).
@@ -314,7 +318,7 @@ def bench_command(server: Server, input_len: int, concurrency: int, filename: st
         "--max-concurrency",
         str(concurrency),
         "--num-warmups",
-        str(opts.warmups),
+        str(opts.warmups * concurrency),
         "--save-result",
         "--save-detailed",
         "--result-dir",
@@ -465,7 +469,9 @@ def parse_args(argv):
         default=[4],
         help="concurrent requests of a load; several values: one load each, same servers",
     )
-    parser.add_argument("--warmups", type=int, default=1, help="unmeasured requests before each run (default 1)")
+    parser.add_argument(
+        "--warmups", type=int, default=1, help="unmeasured requests per concurrent request before each run (default 1)"
+    )
     parser.add_argument(
         "--prompts",
         choices=("random", "repeated"),

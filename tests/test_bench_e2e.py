@@ -175,6 +175,7 @@ def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_
     command = bench_e2e.bench_command(bench_e2e.Server("A", [], 0, Path("log")), 1024, 4, "r.json", opts)
     assert command[command.index("--dataset-name") + 1 :][:3] == ["custom", "--dataset-path", str(path)]
     assert "--save-detailed" in command  # each request's TTFT and ITLs in the result JSON
+    assert command[command.index("--num-warmups") + 1] == "4"  # --warmups 1 x concurrency 4: its batch sizes warm
 
 
 STAND_IN_VLLM = """
