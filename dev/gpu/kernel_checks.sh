@@ -2,9 +2,10 @@
 # On the GPU machine, after `source dev/gpu/install_vllm.sh`: reinstall the plugin (--upgrade: otherwise pip
 # keeps the msa_kernels already in /tmp/site) and run the kernel checks and benchmarks named, each with its
 # own time limit and one summary line here; their logs (and the peer table's report and plots) come back as
-# $OUT/kernel_checks.tgz (a device call brings back few files: one archive).
-#   bash dev/gpu/kernel_checks.sh [tests] [memcheck] [racecheck] [topk] [sparse] [index] [peers] [long]
-# (none named: tests memcheck topk peers). Fits one device call (600 s) as tests + memcheck + topk + peers.
+# $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
+# so a call cut off at its limit still brings back the checks that finished.
+#   bash dev/gpu/kernel_checks.sh [tests] [memcheck] [racecheck] [topk] [sparse] [index] [prefill] [peers] [long]
+# (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?run on the GPU machine: \$OUT is the folder a device call brings back}"
@@ -21,21 +22,22 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc, $(grep -E 'passed|failed|ERROR SUMMARY|^total|report:' "$out/$name.log" | tail -1)"
+  tar czf "$OUT/kernel_checks.tgz" -C /tmp kernel_checks
 }
 
-[ $# -gt 0 ] || set -- tests memcheck topk peers
+[ $# -gt 0 ] || set -- tests memcheck topk
 for check in "$@"; do
   case $check in
-    tests) run pytest_cute 200 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
-    memcheck) run sanitize_memcheck 120 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
+    tests) run pytest_cute 300 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
+    memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
     topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
     sparse) run bench_sparse_attention 150 python3 kernels/bench/bench_sparse_attention.py ;;
     index) run bench_index_scores 100 python3 kernels/bench/bench_index_scores.py ;;
+    prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
     peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
     long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
-    *) echo "unknown check '$check' (tests memcheck racecheck topk sparse index peers long)" >&2; exit 2 ;;
+    *) echo "unknown check '$check' (tests memcheck racecheck topk sparse index prefill peers long)" >&2; exit 2 ;;
   esac
 done
-tar czf "$OUT/kernel_checks.tgz" -C /tmp kernel_checks
