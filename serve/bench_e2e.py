@@ -9,10 +9,10 @@ sends --warmups x its concurrency unmeasured requests, that many at a time, so t
 at compile and autotune before the numbers: a JIT compile of a new batch shape otherwise lands in the
 measured run (2026-12-04: vLLM's fused_moe Triton kernel compiled during FLASH_MSA's 32K x 16 run, one
 825 ms step, 13 ms on each request's TPOT; the servers benchmarked after it loaded the kernel from Triton's
-cache). Its prompts (--prompts): `random`,
-vLLM's random dataset (random token ids); `repeated`, texts that repeat a random piece of 4 to 300 tokens
-up to the input length (written to --out as prompts-LEN.jsonl, vLLM's custom dataset, as they are;
-vLLM reads them with pandas, which the H200 image has and the CPU .venv has not).
+cache). Its prompts (--prompts): `random`, vLLM's random dataset (random token ids); `repeated`, texts that
+repeat a random piece of 4 to 300 tokens up to the input length (written to --out as prompts-LEN.jsonl,
+vLLM's custom dataset, as they are; vLLM reads them with pandas, which the H200 image has and the CPU .venv
+has not).
 
 By default the servers run one after another, each with --gpu-memory-utilization. With
 --parallel-start all of them start at once on ports --port, --port+1, ..., each with an equal share
