@@ -6,6 +6,7 @@ visible tokens poisons its output.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,15 @@ def small_shape(**overrides) -> MSAShape:
         block_size=16,
     )
     return MSAShape(**(base | overrides))
+
+
+class LayerCheck(NamedTuple):
+    """PagedCase.layer_against_reference's result."""
+
+    selection_equal: bool
+    cosine: float
+    rel_err: float
+    reference_selection: torch.Tensor  # [T, Hi, K], the blocks the reference selects
 
 
 @dataclass
@@ -58,9 +68,9 @@ class PagedCase:
         )
         return reference.topk_blocks(scores, self.batch.positions, self.shape)
 
-    def layer_against_reference(self) -> tuple[bool, float, float]:
+    def layer_against_reference(self) -> LayerCheck:
         """msa_kernels.ops.msa_attention on the case, into an output filled with NaN first, against the reference's
-        selection and its float32 attention output: (selection equal, output cosine, relative error)."""
+        selection and its float32 attention output."""
         from msa_kernels import ops  # ops is what this checks; the rest of this module needs only the reference
 
         out, selected = ops.msa_attention(
@@ -79,7 +89,7 @@ class PagedCase:
         )
         cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
         rel_err = ((out.float() - want).norm() / want.norm()).item()
-        return torch.equal(selected, want_selected), cosine, rel_err
+        return LayerCheck(torch.equal(selected, want_selected), cosine, rel_err, want_selected)
 
     def dense_causal(self, r: int) -> torch.Tensor:
         """Plain causal GQA attention of request r's queries over its whole context, [q_len, Hq, D] float64."""

@@ -488,8 +488,8 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
         "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
     )
-    same, cos, rel = case.layer_against_reference()
-    assert same and cos >= 0.99 and rel <= 1e-2, (same, cos, rel)
+    check = case.layer_against_reference()
+    assert check.selection_equal and check.cosine >= 0.99 and check.rel_err <= 1e-2, check[:3]
 
 
 @gpu
