@@ -94,6 +94,36 @@ def test_fp8_kernels_round_as_the_reference_in_their_ptx(kernel_cls, params, sm9
     assert "div.approx" not in ptx and "div.full" not in ptx and "e4m3x2.f16x2" not in ptx
 
 
+@pytest.mark.parametrize(
+    "kernel_cls, params",
+    [
+        (IndexScoreKernel, IndexScoreParams(4, 1, 128)),
+        (Fp8IndexScoreKernel, Fp8IndexScoreParams(4, 1, 128)),
+        (TopkBlocksKernel, TopkBlocksParams(16, 1, 0, row_threads=512)),
+        (TopkBlocksKernel, TopkBlocksParams(16, 1, 0, row_threads=32)),
+        (SparseAttentionKernel, SparseAttentionParams(64, 4, 4, 128, split=True)),
+        (CombineKernel, CombineParams(64, 128)),
+    ],
+    ids=["index_scores", "index_scores_fp8", "topk_cta", "topk_warp", "sparse_attention", "combine"],
+)
+def test_decode_chain_kernels_wait_for_the_previous_kernel_first(kernel_cls, params, sm90a):
+    """Launched with programmatic dependent launch (kernels/cute/pdl.py), a kernel may start before the one it
+    reads from has finished: griddepcontrol.wait must come before its first global memory access."""
+    import re
+
+    import cutlass.cute as cute
+
+    ptx = cute.compile(
+        kernel_cls(params), *kernel_cls.fake_arguments(params), options=f"--keep-ptx --dump-dir={sm90a}"
+    ).__ptx__
+    body = ptx[ptx.index(".entry") :]
+    first_global = re.search(
+        r"\b(ld|st|atom|red|cp\.async\.bulk|cp\.async)(\.[a-z0-9]+)*\.global|cp\.async\.bulk\.tensor", body
+    )
+    assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body
+    assert first_global is None or body.index("griddepcontrol.wait") < first_global.start(), first_global.group(0)
+
+
 # (Hq, Hkv, Hi, D): M3; the demo model; a partial 16-row tile (m = 12); two tiles per index head
 # (m = 32); Hi > Hkv (m = 4)
 ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 64), (16, 2, 4, 64)]

@@ -29,6 +29,8 @@ shared
                            disk across processes; SM count, output copies
   warp_mma.py              MMA fragments, online softmax rows, tile copies, swizzles
   fp8_rows.py              e4m3 rounding of rows spread over lanes, bit for bit the reference's
+  pdl.py                   programmatic dependent launch: the decode chain's kernels launch while the
+                           one before finishes, and wait for it before touching memory
   fake.py                  symbolic tensors and stream for compiling without a GPU; what a call checks
 
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with

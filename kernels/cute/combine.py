@@ -15,6 +15,7 @@ import cutlass.cute as cute
 import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel
 
 if TYPE_CHECKING:
@@ -53,11 +54,12 @@ class CombineKernel:
     ):
         num_tokens = cute.size(out, mode=[0])
         self.kernel(partial_out, partial_lse, out).launch(
-            grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1], stream=stream
+            grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor):
+        wait_for_previous_kernel()  # before any global memory access (pdl.py)
         d, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
         num_splits = cute.size(partial_lse, mode=[0])

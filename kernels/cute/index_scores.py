@@ -22,6 +22,7 @@ import cutlass.cute as cute
 import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.shapes import MSAShape, PagedBatch
 
@@ -97,7 +98,7 @@ class IndexScoreKernel:
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
         self.kernel(index_q, index_keys, block_table, token_request, token_position, out).launch(
-            grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1], stream=stream
+            grid=[num_tokens, max_blocks, 1], block=[self.p.block_size, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -110,6 +111,7 @@ class IndexScoreKernel:
         token_position: cute.Tensor,
         out: cute.Tensor,
     ):
+        wait_for_previous_kernel()  # before any global memory access (pdl.py)
         p = self.p
         heads_per_key = p.num_index_heads // p.num_index_key_heads
         tidx, _, _ = cute.arch.thread_idx()

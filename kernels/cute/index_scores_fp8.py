@@ -37,6 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.fp8_rows import quantize_row_slice
+from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch
@@ -140,7 +141,7 @@ class Fp8IndexScoreKernel:
         num_tokens = cute.size(index_q, mode=[0])
         max_blocks = cute.size(block_table, mode=[1])
         self.kernel(index_q, index_keys, index_key_scales, block_table, token_request, token_position, out, mma).launch(
-            grid=[num_tokens, max_blocks, 1], block=[self.threads, 1, 1], stream=stream
+            grid=[num_tokens, max_blocks, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -155,6 +156,7 @@ class Fp8IndexScoreKernel:
         out: cute.Tensor,
         mma: cute.TiledMma,
     ):
+        wait_for_previous_kernel()  # before any global memory access (pdl.py)
         p = self.p
         f32, i32 = cutlass.Float32, cutlass.Int32
         tidx, _, _ = cute.arch.thread_idx()

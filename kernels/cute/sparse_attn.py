@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from msa_kernels.cute.combine import combine_splits
 from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into, num_sms
 from msa_kernels.cute.warp_mma import (
     as_a_operand,
@@ -191,6 +192,7 @@ class SparseAttentionKernel:
             block=[self.threads, 1, 1],
             smem=Storage.size_in_bytes(),
             stream=stream,
+            use_pdl=True,
         )
 
     @cute.kernel
@@ -218,6 +220,7 @@ class SparseAttentionKernel:
         mma: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
+        wait_for_previous_kernel()  # before any global memory access (pdl.py)
         p = self.p
         bf16 = cutlass.BFloat16
         m = p.heads_per_index_head
