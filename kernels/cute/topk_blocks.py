@@ -9,7 +9,9 @@ ones, orders them as the floats. The need-th largest candidate key is found by a
 key's four bytes, highest first: per byte, a shared-memory histogram of the candidates that match the
 bytes found so far (warp-aggregated atomics: lanes holding the same byte add once), then a scan of its
 256 bins from the top finds the byte where the count reaches `need`, and `need` drops by the candidates
-above it. After the last byte, `need` is how many candidates equal to the threshold to keep. A last pass
+above it. The search stops at the first byte whose bin holds exactly the `need` candidates still wanted
+(random scores: after about two of the four passes): every key in that bin's range is kept. Else, after
+the last byte, `need` is how many candidates equal to the threshold to keep. A last pass
 gives each thread a contiguous run of the row's blocks: it counts the forced blocks, the candidates above
 the threshold and those equal to it; one row-wide scan of the counts gives each thread its output slot
 and its share of the equal ones (ties go to the lower block number), so the output comes out sorted.
@@ -32,6 +34,7 @@ import cutlass.cute as cute
 import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
+from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.shapes import MSAShape, Phase
 
@@ -117,22 +120,24 @@ class TopkBlocksKernel:
         num_heads = cute.size(score_bits, mode=[1])
         head_groups = (num_heads + self.p.rows_per_cta - 1) // self.p.rows_per_cta
         self.kernel(score_bits, token_position, out).launch(
-            grid=[num_tokens, head_groups, 1], block=[self.p.cta_threads, 1, 1], stream=stream
+            grid=[num_tokens, head_groups, 1], block=[self.p.cta_threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(self, score_bits: cute.Tensor, token_position: cute.Tensor, out: cute.Tensor):
+        wait_for_previous_kernel()  # before any global memory access (pdl.py)
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         token, head_group, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
         smem = cutlass.memory.SmemAllocator()
-        # Per row: its histogram, the warps' totals of a row-wide scan (two values each), the byte found.
+        # Per row: its histogram, the warps' totals of a row-wide scan (two values each), the bin found
+        # (its byte, the candidates above it, the candidates in it; padded to 4 words).
         hist = smem.allocate_tensor(
             cutlass.Int32, cute.make_layout((p.rows_per_cta, BINS), stride=(BINS, 1)), byte_alignment=16
         )  # row-major: a row's bins are contiguous, as its atomics address them
         exchange = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2, p.row_warps)))
-        found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 2)))
+        found = smem.allocate_tensor(cutlass.Int32, cute.make_layout((p.rows_per_cta, 4), stride=(4, 1)))
         head, t, slot = head_group, tidx, 0  # the row, this thread's index in it, the row's shared memory
         if cutlass.const_expr(p.warp_rows):
             head, t, slot = head_group * p.rows_per_cta + warp, cute.arch.lane_idx(), warp
@@ -154,14 +159,18 @@ class TopkBlocksKernel:
         if init_end <= local_start:
             forced = init_end + visible - local_start
         need = p.topk_blocks - forced
-        # Candidates keep a block if key > threshold, or key == threshold among the first `need_equal`.
-        threshold = cutlass.Int32(INT32_MIN)
+        # Candidates keep a block if key > threshold_hi, or if threshold_lo <= key <= threshold_hi among the
+        # first `need_equal` of those (a range when the search stopped early, a single key else).
+        threshold_lo = cutlass.Int32(INT32_MIN)
+        threshold_hi = cutlass.Int32(INT32_MIN)
         need_equal = visible
         if need == 0:
-            threshold = cutlass.Int32(INT32_MAX)
+            threshold_lo = cutlass.Int32(INT32_MAX)
+            threshold_hi = cutlass.Int32(INT32_MAX)
             need_equal = cutlass.Int32(0)
         if need > 0 and visible - forced > need:
-            threshold, need_equal = self.radix_select(row, need, init_end, local_start, t, shared)
+            threshold_lo, threshold_hi, need_equal = self.radix_select(row, need, init_end, local_start, t, shared)
+        threshold = (threshold_lo, threshold_hi)
 
         # Each thread keeps blocks of its contiguous run; a row scan of the counts places them in order.
         run = (visible + p.row_threads - 1) // p.row_threads
@@ -190,15 +199,16 @@ class TopkBlocksKernel:
 
     @cute.jit
     def classify(self, row, block, threshold, init_end, local_start):
-        """(1 if the block is kept outright: forced or above the threshold, 1 if it ties the threshold)."""
+        """(1 if the block is kept outright: forced or above the threshold range, 1 if it is in the range)."""
+        threshold_lo, threshold_hi = threshold
         keeps = cutlass.Int32(1)
         ties = cutlass.Int32(0)
         if block >= init_end and block < local_start:
             key = self.order_key(row[block])
             keeps = 0
-            if key > threshold:
+            if key > threshold_hi:
                 keeps = 1
-            if key == threshold:
+            if key >= threshold_lo and key <= threshold_hi:
                 ties = 1
         return keeps, ties
 
@@ -212,50 +222,60 @@ class TopkBlocksKernel:
 
     @cute.jit
     def radix_select(self, row, need, init_end, local_start, t, shared):
-        """(the need-th largest candidate key, how many candidates equal to it are kept): one byte per pass.
+        """(the lowest and highest key of the range the need-th largest candidate key lies in, how many
+        candidates in it are kept): one byte per pass, until a bin holds exactly the candidates still wanted.
 
         Keys are compared as unsigned bytes: key ^ INT32_MIN orders the signed keys as unsigned ints."""
         p = self.p
         hist, _, found = shared
         prefix = cutlass.Int32(0)  # the bytes found so far, in unsigned-key form
+        range_lo = cutlass.Int32(0)
+        range_hi = cutlass.Int32(0)
+        done = cutlass.Int32(0)  # the same on every thread of the row: it reads `found` after a row barrier
         rounds = (local_start - init_end + p.row_threads - 1) // p.row_threads
         for byte in cutlass.range_constexpr(4):
             shift = 24 - 8 * byte
             mask = _int32((0xFFFFFFFF << (32 - 8 * byte)) & 0xFFFFFFFF)  # the bytes above this one
-            for b in cutlass.range_constexpr(0, BINS, p.row_threads):
-                if b + t < BINS:
-                    hist[b + t] = 0
-            self.row_sync()
-            for r in range(rounds):  # the same count on every thread of the row: match_any needs the warp
-                block = init_end + r * p.row_threads + t
-                digit = cutlass.Int32(-1)
-                if block < local_start:
-                    unsigned_key = self.order_key(row[block]) ^ INT32_MIN
-                    if (unsigned_key & mask) == prefix:
-                        digit = (unsigned_key >> shift) & (BINS - 1)
-                peers = self.match_any(digit)
-                lane_below = (cutlass.Int32(1) << cute.arch.lane_idx()) - 1
-                if digit >= 0 and (peers & lane_below) == 0:  # the lowest lane of those holding this byte
-                    cute.arch.atomic_add(hist.iterator + digit, cute.arch.popc(peers), scope="cta")
-            self.row_sync()
-            # Bins from the top: thread t holds bins BINS-1 - t*bins_per_thread, ... down.
-            count = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(p.bins_per_thread):
-                if t * p.bins_per_thread + j < BINS:
-                    count += hist[BINS - 1 - t * p.bins_per_thread - j]
-            above, _, _, _ = self.row_scan(count, cutlass.Int32(0), t, shared)
-            for j in cutlass.range_constexpr(p.bins_per_thread):
-                if t * p.bins_per_thread + j < BINS:
-                    bin_ = BINS - 1 - t * p.bins_per_thread - j
-                    in_bin = hist[bin_]
-                    if above < need and above + in_bin >= need:
-                        found[0] = bin_
-                        found[1] = above
-                    above += in_bin
-            self.row_sync()
-            prefix = prefix | (found[0] << shift)
-            need = need - found[1]
-        return prefix ^ INT32_MIN, need
+            if done == 0:
+                for b in cutlass.range_constexpr(0, BINS, p.row_threads):
+                    if b + t < BINS:
+                        hist[b + t] = 0
+                self.row_sync()
+                for r in range(rounds):  # the same count on every thread of the row: match_any needs the warp
+                    block = init_end + r * p.row_threads + t
+                    digit = cutlass.Int32(-1)
+                    if block < local_start:
+                        unsigned_key = self.order_key(row[block]) ^ INT32_MIN
+                        if (unsigned_key & mask) == prefix:
+                            digit = (unsigned_key >> shift) & (BINS - 1)
+                    peers = self.match_any(digit)
+                    lane_below = (cutlass.Int32(1) << cute.arch.lane_idx()) - 1
+                    if digit >= 0 and (peers & lane_below) == 0:  # the lowest lane of those holding this byte
+                        cute.arch.atomic_add(hist.iterator + digit, cute.arch.popc(peers), scope="cta")
+                self.row_sync()
+                # Bins from the top: thread t holds bins BINS-1 - t*bins_per_thread, ... down.
+                count = cutlass.Int32(0)
+                for j in cutlass.range_constexpr(p.bins_per_thread):
+                    if t * p.bins_per_thread + j < BINS:
+                        count += hist[BINS - 1 - t * p.bins_per_thread - j]
+                above, _, _, _ = self.row_scan(count, cutlass.Int32(0), t, shared)
+                for j in cutlass.range_constexpr(p.bins_per_thread):
+                    if t * p.bins_per_thread + j < BINS:
+                        bin_ = BINS - 1 - t * p.bins_per_thread - j
+                        in_bin = hist[bin_]
+                        if above < need and above + in_bin >= need:
+                            found[0] = bin_
+                            found[1] = above
+                            found[2] = in_bin
+                        above += in_bin
+                self.row_sync()
+                prefix = prefix | (found[0] << shift)
+                need = need - found[1]
+                if found[2] == need:
+                    done = cutlass.Int32(1)
+                range_lo = prefix
+                range_hi = prefix | ((1 << shift) - 1)  # the bytes below this one: any
+        return range_lo ^ INT32_MIN, range_hi ^ INT32_MIN, need
 
     @cute.jit
     def match_any(self, value: cutlass.Int32) -> cutlass.Int32:
