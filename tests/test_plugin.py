@@ -153,16 +153,16 @@ def test_unservable_cache_flags_name_the_fix(block_size, user_block_size, cache_
         _check_cache(vllm_config, msa)
 
 
-@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-def test_fp8_kv_cache_is_served_on_cpu_and_refused_by_name_on_gpus(device_type):
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "xpu"])
+def test_fp8_kv_cache_is_served_on_cpu_and_cuda_and_refused_by_name_elsewhere(device_type):
     from vllm_msa.config import _check_cache
 
     cache = SimpleNamespace(block_size=128, user_specified_block_size=False, cache_dtype="fp8")
     vllm_config = SimpleNamespace(cache_config=cache, device_config=SimpleNamespace(device_type=device_type))
     vllm_config.attention_config = _attention_config("auto").attention_config
     msa = MSAModelConfig.from_hf_config(_HF(msa_config=MSA))
-    if device_type == "cuda":
-        with pytest.raises(MSAConfigError, match="--kv-cache-dtype fp8 is served on CPU only so far"):
+    if device_type == "xpu":
+        with pytest.raises(MSAConfigError, match="--kv-cache-dtype fp8 is served on cpu and cuda only.*not on xpu"):
             _check_cache(vllm_config, msa)
     else:
         _check_cache(vllm_config, msa)

@@ -209,10 +209,11 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         slot_mapping: torch.Tensor,
     ) -> None:
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer_kv_scales(layer))
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if (version := dense_flash_attn_version(device, dtype, self.head_size)) is not None:
+        fp8_kv = self.kv_cache_dtype in FP8_CACHE_DTYPES
+        if (version := dense_flash_attn_version(device, dtype, self.head_size, fp8_kv)) is not None:
             return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
         return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), index_scores=False)
 
@@ -246,12 +247,16 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
             return output.fill_(0)
         batch, n = attn_metadata.batch, attn_metadata.num_actual_tokens
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
-        version = dense_flash_attn_version(query.device, query.dtype, self.head_size)
+        fp8_kv = reference.is_fp8_kv(kv_cache)
+        version = dense_flash_attn_version(query.device, query.dtype, self.head_size, fp8_kv)
         if version is not None:
-            compat.flash_attn_varlen(  # K and V are strided views of the cache pages, as FA reads them
-                q=query[:n],
-                k=kv_cache[:, 0],
-                v=kv_cache[:, 1],
+            q, k, v, descales = query[:n], kv_cache[:, 0], kv_cache[:, 1], {}  # K, V: strided views of the pages
+            if fp8_kv:
+                q, k, v, descales = fp8_flash_attn_inputs(layer, q, k, v, batch.num_requests)
+            compat.flash_attn_varlen(
+                q=q,
+                k=k,
+                v=v,
                 out=output[:n],
                 cu_seqlens_q=batch.query_start_loc,
                 max_seqlen_q=attn_metadata.max_query_len,
@@ -262,6 +267,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
                 block_table=batch.block_table,
                 fa_version=version,
                 num_splits=attn_metadata.dense_num_splits,
+                **descales,
             )
             return output
         max_blocks = batch.block_table.shape[1]
@@ -331,17 +337,45 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
 
 
 @functools.cache
-def dense_flash_attn_version(device: torch.device, dtype: torch.dtype, head_size: int) -> int | None:
+def dense_flash_attn_version(
+    device: torch.device, dtype: torch.dtype, head_size: int, fp8_kv: bool = False
+) -> int | None:
     """The version of vLLM's FlashAttention that runs dense layers on this device, or None (then the
-    sparse attention path runs them with every block selected): CUDA builds of vLLM, fp16/bf16."""
+    sparse attention path runs them with every block selected): CUDA builds of vLLM, fp16/bf16. On an FP8
+    K/V cache only FlashAttention 3, which takes e4m3 queries (fp8_flash_attn_inputs) and writes bf16: bf16
+    models, head dims a multiple of 16."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
         return None
-    return compat.flash_attn_version(head_size)
+    version = compat.flash_attn_version(head_size)
+    if fp8_kv and (version != 3 or dtype != torch.bfloat16 or head_size % 16):
+        return None
+    return version
 
 
-def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int) -> str:
+def fp8_flash_attn_inputs(
+    layer: torch.nn.Module | None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_seqs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """FlashAttention 3's arguments on an FP8 K/V cache, as vLLM's FlashAttention backend passes them: the
+    queries [T, Hq, D] in e4m3 (static per-tensor quantisation by the layer's q_scale), the K/V pages viewed as
+    e4m3, and the q/k/v descales [num_seqs, Hkv]."""
+    q_scale, k_scale, v_scale = layer_scale_tensors(layer, query.device)
+    q = compat.quantize_fp8_per_tensor(query.flatten(1), q_scale).view(query.shape)
+    fp8, descale_shape = q.dtype, (num_seqs, key_cache.shape[-2])
+    descales = {
+        "q_descale": q_scale.view(()).expand(descale_shape),
+        "k_descale": k_scale.view(()).expand(descale_shape),
+        "v_descale": v_scale.view(()).expand(descale_shape),
+    }
+    return q, key_cache.view(fp8), value_cache.view(fp8), descales
+
+
+def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int, fp8_kv: bool = False) -> str:
     """What runs a dense layer on FLASH_MSA, for startup logs."""
-    version = dense_flash_attn_version(torch.device(device), dtype, head_size)
+    version = dense_flash_attn_version(torch.device(device), dtype, head_size, fp8_kv)
     if version is not None:
         return f"vLLM's FlashAttention {version}"
     probe = torch.empty(0, device=device, dtype=dtype)
@@ -373,7 +407,7 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         msa.init_blocks,
         layout.describe(tp_size),
         list(msa.dense_layers),
-        dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim)),
+        dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim, fp8_kv)),
     )
     probe = torch.empty(0, device=device, dtype=dtype)
     kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=keys)  # decode: FP8 prefill warns in ops
@@ -389,9 +423,24 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         )
 
 
-def layer_kv_scales(layer: torch.nn.Module) -> tuple[float, float]:
+def layer_kv_scales(layer: torch.nn.Module | None) -> tuple[float, float]:
     """(k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache (1.0 unless its checkpoint carries scales)."""
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
+
+
+def layer_scale_tensors(
+    layer: torch.nn.Module | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_scale, k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache as vLLM's cache and FlashAttention
+    ops take them, float32 tensors of one element (1 where the layer has none: FLASH_MSA's MSA layers)."""
+    unit = compat.unit_scale(device)
+    scales = tuple(getattr(layer, name, unit) for name in ("_q_scale", "_k_scale", "_v_scale"))
+    if any(scale.numel() != 1 for scale in scales):
+        raise NotImplementedError(
+            "FLASH_MSA reads FP8 K/V caches with one q/k/v scale per tensor: this checkpoint's per-head scales are "
+            "not served; serve it without --kv-cache-dtype fp8"
+        )
+    return scales
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -419,16 +468,19 @@ def write_paged(
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    layer: torch.nn.Module | None = None,
 ) -> None:
-    """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped).
+    """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped); an FP8
+    K/V cache gets the e4m3 of key / k_scale and value / v_scale, the scales of the vLLM attention layer given
+    (1 without one: MSA layers).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); elsewhere the
-    reference, which writes an FP8 K/V cache (CPU only: config.FP8_CACHE_DTYPES) as key / k_scale and value /
-    v_scale in e4m3 (kv_scales = (k_scale, v_scale)).
+    reference, which writes the same bytes.
     """
     if key_cache.is_cuda:
-        compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value)
+        scales = layer_scale_tensors(layer, key_cache.device)[1:] if reference.is_fp8_kv(key_cache) else ()
+        compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value, *scales)
         return
-    reference.write_paged(key_cache, slot_mapping, key, kv_scales[0])
-    reference.write_paged(value_cache, slot_mapping, value, kv_scales[1])
+    k_scale, v_scale = layer_kv_scales(layer)
+    reference.write_paged(key_cache, slot_mapping, key, k_scale)
+    reference.write_paged(value_cache, slot_mapping, value, v_scale)

@@ -109,17 +109,32 @@ def write_paged_cuda(
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """vLLM's reshape_and_cache_flash: rows into paged caches [pages, B, heads, dim] at flat slots, no host sync."""
+    """vLLM's reshape_and_cache_flash: rows into paged caches [pages, B, heads, dim] at flat slots, no host sync.
+    One-byte caches (an FP8 K/V cache, reference.FP8_KV_STORAGE) get the e4m3 bytes of key / k_scale and
+    value / v_scale (float32 tensors of one element; None: 1)."""
     from vllm import _custom_ops as vllm_ops
 
-    scale = _unit_scale(key_cache.device)
-    vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale)
+    unit = unit_scale(key_cache.device)
+    cache_dtype = "fp8" if key_cache.element_size() == 1 else "auto"
+    k_scale, v_scale = (unit if k_scale is None else k_scale), (unit if v_scale is None else v_scale)
+    vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
 
 
 @functools.cache
-def _unit_scale(device: torch.device) -> torch.Tensor:
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 scale of 1 on the device, as vLLM's cache and FP8 ops take scales."""
     return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def quantize_fp8_per_tensor(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 of rows [T, N] / scale (one element), saturated: vLLM's static scaled_fp8_quant, as its attention
+    layers quantise queries for FlashAttention on an FP8 K/V cache."""
+    from vllm import _custom_ops as vllm_ops
+
+    return vllm_ops.scaled_fp8_quant(rows, scale)[0]
 
 
 @functools.cache

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 SERVED_BLOCK_SIZES = (128,)  # tokens per MSA block (== KV page) the FLASH_MSA backend serves
-FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache: served on CPU only for now (not run end to end on a GPU)
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # an e4m3 K/V cache with a scale per tensor (vLLM's FP8 K/V cache)
+FP8_KV_DEVICES = ("cpu", "cuda")  # where FLASH_MSA serves one
 SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)  # --kv-cache-dtype values FLASH_MSA serves
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
@@ -289,12 +290,12 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
             f"leave it out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
             '\'{"indexer_kv_dtype": "fp8"}\''
         )
-    if cache.cache_dtype in FP8_CACHE_DTYPES and (device_type := vllm_config.device_config.device_type) != "cpu":
+    if cache.cache_dtype in FP8_CACHE_DTYPES and (device_type := vllm_config.device_config.device_type) not in (
+        FP8_KV_DEVICES
+    ):
         raise MSAConfigError(
-            f"--kv-cache-dtype {cache.cache_dtype} is served on CPU only so far: FLASH_MSA has not served an FP8 K/V "
-            f"cache end to end on {device_type} (its sparse attention kernel reads e4m3 pages, slower than bf16 "
-            "ones so far); leave it out. "
-            'FP8 index keys run on the GPU: --attention-config \'{"indexer_kv_dtype": "fp8"}\''
+            f"--kv-cache-dtype {cache.cache_dtype} is served on {' and '.join(FP8_KV_DEVICES)} only: FLASH_MSA writes "
+            f"and reads e4m3 K/V pages there, not on {device_type}; leave it out"
         )
     served_indexer_kv_dtype(vllm_config, msa)
     cache.block_size = msa.block_size
