@@ -14,8 +14,8 @@ CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the nex
 else the PyTorch reference (kernels/reference.py):
 
     step              decode part                          prefill part
-    index scores      index_scores.py (bf16 keys),         index_scores_prefill.py, index_scores.py
-                      index_scores_fp8.py (FP8 keys)       (bf16 keys; FP8 keys: the reference)
+    index scores      index_scores.py (bf16 keys),         index_scores_prefill.py (bf16 or FP8 keys),
+                      index_scores_fp8.py (FP8 keys)       index_scores.py (bf16 keys)
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
@@ -31,11 +31,13 @@ is. A decode part never syncs the host and has no data-dependent shapes: a full-
 
 An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL
 kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference)
-and scored, in a decode part, by index_scores_fp8.py reading the FP8 pages; a prefill part's FP8 index scores
-run the reference (no FP8 warpgroup-MMA prefill kernel yet; a one-time warning says so). Both compute the
-reference's function (the index queries rounded to e4m3 per token and index head), so a token selects the
-same blocks in either phase up to float32 summation order. With both kernels an FP8 decode step, like a
-bf16 one, can be captured in a full CUDA graph (graph_capturable).
+and scored, in a decode part, by index_scores_fp8.py reading the FP8 pages, in a prefill part by
+index_scores_prefill.py's FP8 variant (e4m3 warpgroup MMAs; where neither serves the shape, the reference,
+and a one-time warning says so). All compute the reference's function (the index queries rounded to e4m3 per
+token and index head), so a token selects the same blocks in either phase up to the MMAs' summation (float32
+in decode; the FP8 warpgroup MMAs accumulate with less precision: kernels/cute/index_scores_prefill.py). With
+the decode and write kernels an FP8 decode step, like a bf16 one, can be captured in a full CUDA graph
+(graph_capturable).
 """
 
 import functools
@@ -136,9 +138,9 @@ def _steps(
 def _warn_fp8_index_keys_run_the_reference(phase: Phase) -> None:
     if phase == "prefill":
         logger.warning(
-            "FLASH_MSA: indexer_kv_dtype fp8: the index scores of prefill tokens run the PyTorch path on this GPU "
-            "(no CuTeDSL FP8 prefill kernel yet: the same FP8 scores, slower prefill); decode tokens' run the "
-            "CuTeDSL decode kernel where it serves the shape"
+            "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL FP8 prefill index-score kernel does not serve this "
+            "index-key shape (index head dims a multiple of 32 up to 256), so the index scores of prefill tokens "
+            "run the PyTorch path on this GPU (the same FP8 scores, slower prefill)"
         )
         return
     logger.warning(

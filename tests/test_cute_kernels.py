@@ -65,6 +65,11 @@ def test_fp8_index_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
     compiles_and_caches(Fp8IndexScoreKernel, Fp8IndexScoreParams(hi, hki, dp), sm90a)
 
 
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_fp8_prefill_index_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
+    compiles_and_caches(PrefillIndexScoreKernel, PrefillIndexScoreParams(hi, hki, dp, fp8=True), sm90a)
+
+
 FP8_WRITE_PARAMS = [(1, 128), (2, 64), (4, 32), (1, 256)]  # (Hki, Dp)
 
 
@@ -312,6 +317,47 @@ def test_fp8_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
     reference_scores = reference.index_block_scores(case.index_q, cache, case.batch, shape)
     torch.testing.assert_close(got[finite], reference_scores[finite], rtol=1e-4, atol=1e-3)
     assert_selects_as(got, want, case.batch.positions, shape, tol=1e-3)
+
+
+# Prefill parts, FP8 index keys: tile edges, a chunk after a long context, fewer blocks than k.
+FP8_PREFILL_CASES = {
+    "prefill_chunk": ([300, 70], [300, 1000]),
+    "chunked_prefill": ([200], [5000]),
+    "prefill_tile_edges": ([64, 65, 63, 1], [64, 1000, 63, 7]),
+    "prefill_long_context": ([130], [70001]),
+    "prefill_fewer_blocks_than_k": ([100, 40], [300, 40]),
+}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", FP8_PREFILL_CASES)
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_fp8_prefill_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
+    """The prefill kernel's FP8 variant (e4m3 warpgroup MMAs on strided FP8 pages, NaN in every slot no request
+    owns) against the reference's function in float64 on the same e4m3 queries and keys. Hopper's FP8 MMAs do
+    not keep float32's precision while they accumulate (about 13 significant bits for each 32-element K step's
+    partial sums and their running total), so the bound is Dp/32 x 2^-13 of the score's product magnitudes
+    (sum_i |q_i k_i|, max-pooled as the scores are), plus float32's slack; the test prints how much of it
+    the largest error used."""
+    shape = index_score_shape(hi, hki, dp)
+    q_lens, seq_lens = FP8_PREFILL_CASES[case_name]
+    case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 2)
+    cache = fp8_pages(case.index_key_cache)
+    got = index_scores_prefill.prefill_index_block_scores(case.index_q, cache, case.batch, shape)
+    q8, q_scales = quantize_rows(case.index_q)
+    exact_q = q8.double() * q_scales.double()[..., None]
+    exact_keys = cache.values.double() * cache.scales.double()[..., None]
+    want = reference.index_block_scores(exact_q, exact_keys, case.batch, shape)
+    magnitudes = reference.index_block_scores(exact_q.abs(), exact_keys.abs(), case.batch, shape)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert (got[~finite] == float("-inf")).all()
+    bound = 1e-3 + 1e-4 * want[finite].abs() + max(1, dp // 32) * 2**-13 * magnitudes[finite]
+    error = (got[finite].double() - want[finite]).abs()
+    print(f"\n{case_name} Hi {hi} Hki {hki} Dp {dp}: largest error {(error / bound).max().item():.2f} of the bound")
+    assert (error <= bound).all(), (error / bound).max().item()
+    assert_selects_as(got, want, case.batch.positions, shape, tol=bound.max().item())
 
 
 def random_index_keys(tokens: int, hki: int, dp: int, generator: torch.Generator) -> torch.Tensor:

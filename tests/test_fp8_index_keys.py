@@ -144,10 +144,10 @@ def on_hopper(monkeypatch):
         cache.cache_clear()
 
 
-def test_fp8_index_keys_on_hopper_decode_and_writes_run_cutedsl_prefill_the_reference_with_one_warning(
+def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_where_unserved_with_one_warning(
     on_hopper, caplog
 ):
-    from msa_kernels.cute import fp8_index_key_write, index_scores_fp8
+    from msa_kernels.cute import fp8_index_key_write, index_scores_fp8, index_scores_prefill
     from msa_kernels.cute.index_scores import IndexScoreKernel
     from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel
     from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel
@@ -158,26 +158,31 @@ def test_fp8_index_keys_on_hopper_decode_and_writes_run_cutedsl_prefill_the_refe
     assert Fp8IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
     assert not Fp8IndexScoreKernel.can_implement(torch.bfloat16, fp8, 16, 128)  # 16 bytes: not 4 lanes x 8
     assert not IndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)  # the SIMT kernel: bf16 keys
-    assert not PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)
+    assert PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)  # its e4m3 variant
+    assert not PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 512, 128)  # Dp over 256
     with caplog.at_level(logging.WARNING, logger="vllm.msa.kernels"):
-        for _ in range(2):  # asked again: no second warning
-            decode = ops._steps(probe.device, probe.dtype, fp8, shape, "decode")
-            assert decode.index_scores is index_scores_fp8.fp8_index_block_scores
-            prefill = ops._steps(probe.device, probe.dtype, fp8, shape, "prefill")
-            assert prefill.index_scores is reference.index_block_scores
+        decode = ops._steps(probe.device, probe.dtype, fp8, shape, "decode")
+        assert decode.index_scores is index_scores_fp8.fp8_index_block_scores
+        prefill = ops._steps(probe.device, probe.dtype, fp8, shape, "prefill")
+        assert prefill.index_scores is index_scores_prefill.prefill_index_block_scores
         assert ops.uses_cute_index_scores(probe, shape, "decode", index_key_dtype=fp8)
-        assert not ops.uses_cute_index_scores(probe, shape, "prefill", index_key_dtype=fp8)
+        assert ops.uses_cute_index_scores(probe, shape, "prefill", index_key_dtype=fp8)
         assert ops._index_key_writer(probe.device, probe.dtype, 2, 128) is fp8_index_key_write.write_index_keys
         assert ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8) == (
-            "index scores: CuTeDSL (decode), PyTorch (prefill), top-k: CuTeDSL, sparse attention: CuTeDSL, "
-            "FP8 index-key writes: CuTeDSL"
+            "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, FP8 index-key writes: CuTeDSL"
         )
+        assert not caplog.records
+        # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3), the prefill kernel does not (the reference,
+        # one warning however often asked), nor the write kernel (64 lanes of 8 bf16), so the reference writes
+        # (a host sync) and a decode step gets no full graph.
+        wide = _shape(head_dim=64, index_head_dim=512, block_size=128)
+        for _ in range(2):
+            assert ops._steps(probe.device, probe.dtype, fp8, wide, "prefill").index_scores is (
+                reference.index_block_scores
+            )
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "index scores of prefill tokens run the PyTorch path" in warnings[0], warnings
-    # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3), the write kernel does not (64 lanes of 8 bf16),
-    # so the reference writes (a host sync) and a decode step gets no full graph.
-    wide = _shape(head_dim=64, index_head_dim=512, block_size=128)
     assert ops.uses_cute_index_scores(probe, wide, "decode", index_key_dtype=fp8)
     assert ops._index_key_writer(probe.device, probe.dtype, 2, 512) is reference.write_index_keys
     assert not ops.graph_capturable(probe.device, probe.dtype, wide, index_key_dtype=fp8)

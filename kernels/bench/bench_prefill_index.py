@@ -1,12 +1,17 @@
-"""Prefill index scores (kernels/cute/index_scores_prefill.py) at M3 shapes: time, TFLOP/s against the
-bf16 matmul rate measured in the same run, and the whole MSA prefill layer (ops.msa_attention).
+"""Prefill index scores (kernels/cute/index_scores_prefill.py) at M3 shapes, bf16 and FP8 index keys side by
+side: time, TFLOP/s against the bf16 and e4m3 matmul rates measured in the same run, and the whole MSA
+prefill layer (ops.msa_attention) with each index-key cache.
 
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_prefill_index.py [--modules M ...]
+    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_prefill_index.py [--contexts N ...]
+        [--new-tokens C] [--modules M ...]
 
-One sequence of N new tokens, pages shuffled. FLOPs count the causal half of the tokens x keys
-scores (2 x Hi x Dp x N x (N + 128) / 2). --modules times the PrefillIndexScoreKernel of other
-kernel files of kernels/cute with the same parameters side by side (an earlier commit's file copied
-there under another name, say).
+One sequence of N tokens, pages shuffled; all N are new, or with --new-tokens C the last C of them (a chunk
+of a chunked prefill: at 1M the block scores of every token would not fit). FLOPs count the scores each new
+token computes: 2 x Hi x Dp x its visible keys, counted in whole 128-key blocks as the kernel computes them.
+The FP8 kernel is timed on prepared e4m3 queries ("FP8 ms"), and through its launcher with the queries'
+rounding ("FP8 + rounding ms": what a prefill step pays); "FP8 / bf16" divides the latter by the bf16 time.
+--modules times the bf16 PrefillIndexScoreKernel of other kernel files of kernels/cute with the same
+parameters side by side (an earlier commit's file copied there under another name, say).
 """
 
 import argparse
@@ -16,49 +21,71 @@ import torch
 
 from msa_kernels import ops
 from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
-from msa_kernels.bench.timing import ceilings, timed
+from msa_kernels.bench.timing import ceilings, fp8_matmul_rate, timed
+from msa_kernels.cute import index_scores_prefill
 from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows
 
 
-def index_score_time(module, index_q, index_keys, batch) -> float:
-    """One kernel call per iteration on prepared arguments (the -inf fill and the tiles excluded)."""
+def kernel_time(module: str, operands: tuple, batch, fp8: bool = False) -> float:
+    """One kernel call per iteration on prepared operands (index_q, its scales, index keys, their scales; the
+    -inf fill and the tiles excluded)."""
     source = importlib.import_module(f"msa_kernels.cute.{module}")
     params = source.PrefillIndexScoreParams(
-        M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads, M3_SHAPE.index_head_dim
+        M3_SHAPE.num_index_heads, M3_SHAPE.num_index_key_heads, M3_SHAPE.index_head_dim, fp8=fp8
     )
     kernel = compiled_kernel(source.PrefillIndexScoreKernel, params)
     out = torch.full(
         (batch.num_tokens, M3_SHAPE.num_index_heads, batch.block_table.shape[1]), float("-inf"), device="cuda"
     )
-    args = (
-        index_q,
-        index_keys,
-        batch.block_table,
-        batch.positions,
-        batch.request_tiles(source.PREFILL_TILE_TOKENS),
-        out,
-    )
-    return timed(lambda: kernel(*args), iters=5)
+    tiles = batch.request_tiles(source.PREFILL_TILE_TOKENS)
+    return timed(lambda: kernel(*operands, batch.block_table, batch.positions, tiles, out), iters=5)
+
+
+def score_flops(batch) -> float:
+    keys = (batch.positions.double() // M3_SHAPE.block_size + 1) * M3_SHAPE.block_size
+    return 2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * keys.sum().item()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", nargs="*", type=int, default=list(CONTEXTS), help="context lengths N")
+    parser.add_argument("--new-tokens", type=int, help="time the last C tokens of each context (default: all)")
     parser.add_argument("--modules", nargs="*", default=[], help="more kernel modules of kernels/cute to time")
     args = parser.parse_args()
-    modules = ["index_scores_prefill", *args.modules]
     _, matmul = ceilings()
-    print(f"bf16 matmul {matmul / 1e12:.0f} TFLOP/s\n")
-    print("| tokens | " + " | ".join(f"{m} ms | TFLOP/s | % matmul" for m in modules) + " | MSA layer ms |")
-    print("|---|" + "---|---|---|" * len(modules) + "---|")
-    for n in CONTEXTS:
-        batch, q, index_q, kv, index_keys, _ = paged_problem([(n, n)])
-        flops = 2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * n * (n + M3_SHAPE.block_size) / 2
-        cells = []
+    fp8_matmul = fp8_matmul_rate()
+    print(f"bf16 matmul {matmul / 1e12:.0f} TFLOP/s, e4m3 matmul {fp8_matmul / 1e12:.0f} TFLOP/s (fast accumulation)\n")
+    modules = ["index_scores_prefill", *args.modules]
+    print(
+        "| tokens | new | "
+        + " | ".join(f"{m} bf16 ms | TFLOP/s | % bf16 matmul" for m in modules)
+        + " | FP8 ms | TFLOP/s | % e4m3 matmul | FP8 + rounding ms | FP8 / bf16 | layer ms bf16 | layer ms FP8 |"
+    )
+    print("|---|---|" + "---|---|---|" * len(modules) + "---|---|---|---|---|---|---|")
+    for n in args.contexts:
+        new = min(args.new_tokens or n, n)
+        batch, q, index_q, kv, index_keys, _ = paged_problem([(n, new)])
+        fp8_keys = Fp8IndexKeyCache.quantize(index_keys)
+        flops = score_flops(batch)
+        cells, bf16_time = [], None
         for module in modules:
-            t = index_score_time(module, index_q, index_keys, batch)
+            t = kernel_time(module, (index_q, None, index_keys, None), batch)
+            bf16_time = bf16_time or t
             cells.append(f"{t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / matmul:.0%}")
-        layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, batch, M3_SHAPE, SCALE), iters=3)
-        print(f"| {n} | " + " | ".join(cells) + f" | {layer * 1e3:.2f} |", flush=True)
+        fp8_operands = (*quantize_rows(index_q), fp8_keys.values, fp8_keys.scales)
+        t8 = kernel_time("index_scores_prefill", fp8_operands, batch, fp8=True)
+        launcher = timed(
+            lambda: index_scores_prefill.prefill_index_block_scores(index_q, fp8_keys, batch, M3_SHAPE), iters=5
+        )
+        cells.append(
+            f"{t8 * 1e3:.2f} | {flops / t8 / 1e12:.0f} | {flops / t8 / fp8_matmul:.0%} | {launcher * 1e3:.2f} | "
+            f"{launcher / bf16_time:.2f}"
+        )
+        for keys in (index_keys, fp8_keys):
+            layer = timed(lambda: ops.msa_attention(q, index_q, kv, keys, batch, M3_SHAPE, SCALE), iters=3)
+            cells.append(f"{layer * 1e3:.2f}")
+        print(f"| {n} | {new} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ scores: the decode kernel; top-k; sparse attention: split-K + combine) and its p
 prefill index-score kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
 leaves); the demo shape's prefill part attends on the per-token kernel (the prefill attention kernel
 does not serve 2 query heads an index head). Each case's selection then attends over an FP8 K/V cache of the
-same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike).
+same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike), and its index keys
+are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, the prefill part on the
+prefill kernel's e4m3 variant).
 """
 
 import torch
 
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import M3_SHAPE as M3
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
 
@@ -55,6 +58,13 @@ def main() -> None:
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
         print(f"{name}, FP8 K/V: cosine {cos:.5f}")
         assert cos >= 0.99
+        fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
+        got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
+        want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)
+        finite = torch.isfinite(want)
+        error = ((got[finite] - want[finite]).abs().max() / want[finite].abs().max()).item()
+        print(f"{name}, FP8 index keys: largest score error {error:.1e} of the largest score")
+        assert torch.equal(torch.isfinite(got), finite) and error <= 1e-2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 timed        CUDA-event time per call of back-to-back calls (host overhead included)
 graph_timed  time per call replayed from one CUDA graph (host overhead removed, as vLLM decode)
 ceilings     device copy bandwidth (read + write counted) and the bf16 8192^3 matmul rate
+fp8_matmul_rate  the e4m3 8192^3 matmul rate
 """
 
 import torch
@@ -44,3 +45,12 @@ def ceilings():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     flops = 2 * 8192**3 / timed(lambda: a @ b)
     return bw, flops
+
+
+def fp8_matmul_rate():
+    """FLOP/s of an e4m3 8192^3 matmul (torch._scaled_mm, per-tensor scales, bf16 out) with fast accumulation,
+    which accumulates as the kernels' FP8 warpgroup MMAs do."""
+    a, b = (torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    one = torch.ones((), device="cuda")
+    matmul = lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True)  # noqa: E731
+    return 2 * 8192**3 / timed(matmul)

@@ -4,6 +4,15 @@ Computes reference.index_block_scores for the query tokens of a tile of one requ
 = max over visible keys j of block b of index_q[t, h] . index_key[j, h // (Hi / Hki)]. This is the
 quadratic part of an MSA prefill; the decode path (few tokens a request) is index_scores.py.
 
+Two variants (PrefillIndexScoreParams.fp8): bf16 index queries and keys on bf16 MMAs, or an FP8 index-key
+cache (msa_kernels.fp8_index_keys: e4m3 values, a float32 scale per key) on e4m3 MMAs (m64n128k32, twice
+bf16's rate, half its bytes), the index queries rounded to e4m3 per (token, index head) by the launcher as
+the reference rounds them. The FP8 scores are q8 . k8 x key scale x query scale: each column of S is scaled
+by its key's scale before the row max, the max by the row's query scale (a positive factor) after it.
+Hopper's FP8 MMAs accumulate with fewer bits than float32 (about 13 significant bits for each 32-element K
+step's partial sums and their running total): FP8 scores differ from the reference's float32 ones by up to
+Dp/32 x 2^-13 of their product magnitudes, far below the e4m3 rounding of the operands themselves.
+
 A CTA owns 64 consecutive query tokens of one request and W index heads that read the same index-key
 head (W = Hi / Hki, at most 4): one warpgroup per index head, 64 MMA rows each, so every index-key
 block it loads feeds W x 64 rows. It walks the request's blocks up to the tile's last visible one:
@@ -32,6 +41,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
+from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -48,6 +58,12 @@ class PrefillIndexScoreParams:
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
     block_size: int = 128  # B: keys a page
+    fp8: bool = False  # an FP8 index-key cache: e4m3 queries and keys, float32 scales per row
+
+    @property
+    def operand(self) -> type[cutlass.Numeric]:
+        """The MMA operands' type."""
+        return cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16
 
     @property
     def heads_per_cta(self) -> int:
@@ -64,23 +80,25 @@ class PrefillIndexScoreParams:
         return max(s for s in (1, 2, 3, 4) if s == 1 or self._smem(self.heads_per_cta, s) <= SMEM_BYTES)
 
     def _smem(self, heads: int, stages: int) -> int:
-        return 2 * self.index_head_dim * (heads * PREFILL_TILE_TOKENS + stages * self.block_size)
+        return self.operand.width // 8 * self.index_head_dim * (heads * PREFILL_TILE_TOKENS + stages * self.block_size)
 
 
 class PrefillIndexScoreKernel:
     def __init__(self, params: PrefillIndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
-        assert self.can_implement(torch.bfloat16, torch.bfloat16, params.index_head_dim, params.block_size)
+        index_key_dtype = Fp8IndexKeyCache.dtype if params.fp8 else torch.bfloat16
+        assert self.can_implement(torch.bfloat16, index_key_dtype, params.index_head_dim, params.block_size)
         self.p = params
 
     @classmethod
     def can_implement(
         cls, dtype: torch.dtype, index_key_dtype: torch.dtype, index_head_dim: int, block_size: int
     ) -> bool:
-        """bf16 index queries and a bf16 index-key cache (not FP8), 128-token blocks, index head dim a multiple of
-        32 up to 256."""
+        """bf16 index queries and a bf16 or FP8 (Fp8IndexKeyCache.dtype) index-key cache, 128-token blocks, index
+        head dim a multiple of 32 (the FP8 MMA's K) up to 256."""
         return (
-            dtype == index_key_dtype == torch.bfloat16
+            dtype == torch.bfloat16
+            and index_key_dtype in (torch.bfloat16, Fp8IndexKeyCache.dtype)
             and block_size == 128
             and index_head_dim % 32 == 0
             and index_head_dim <= 256
@@ -88,23 +106,28 @@ class PrefillIndexScoreKernel:
 
     @staticmethod
     def fake_arguments(params: PrefillIndexScoreParams) -> tuple:
-        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call."""
-        bf16, i32 = cutlass.BFloat16, cutlass.Int32
+        """Symbolic-shape tensors for compiling without a GPU (CI) or ahead of the first call; the scales are
+        None for bf16."""
+        f32, i32 = cutlass.Float32, cutlass.Int32
         return (
-            row_major(bf16, 3, align=16),  # index_q
-            row_major(bf16, 4, align=16),  # index_key_cache
+            row_major(params.operand, 3, align=16),  # index_q
+            row_major(f32, 2) if params.fp8 else None,  # index_q_scales
+            row_major(params.operand, 4, align=16),  # index_key_cache (FP8: its values)
+            row_major(f32, 3) if params.fp8 else None,  # index_key_scales
             row_major(i32, 2),  # block_table
             row_major(i32, 1),  # token_position
             row_major(i32, 2),  # tiles
-            row_major(cutlass.Float32, 3),  # out
+            row_major(f32, 3),  # out
             env_stream(),
         )
 
     @cute.jit
     def __call__(
         self,
-        index_q: cute.Tensor,  # [T, Hi, Dp] bf16
-        index_key_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16
+        index_q: cute.Tensor,  # [T, Hi, Dp] bf16, or e4m3
+        index_q_scales: cute.Tensor | None,  # FP8: [T, Hi] float32
+        index_key_cache: cute.Tensor,  # [pages, B, Hki, Dp] bf16, or e4m3 (strided pages)
+        index_key_scales: cute.Tensor | None,  # FP8: [pages, B, Hki] float32
         block_table: cute.Tensor,  # [R, max_blocks] int32
         token_position: cute.Tensor,  # [T] int32
         tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
@@ -112,9 +135,9 @@ class PrefillIndexScoreKernel:
         stream: cuda.CUstream,
     ):
         p = self.p
-        bf16 = cutlass.BFloat16
+        operand = p.operand
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(sm90_utils.LayoutEnum.ROW_MAJOR, bf16, p.index_head_dim), bf16
+            sm90_utils.get_smem_layout_atom(sm90_utils.LayoutEnum.ROW_MAJOR, operand, p.index_head_dim), operand
         )
         q_layout = cute.tile_to_shape(atom, (PREFILL_TILE_TOKENS, p.index_head_dim, p.heads_per_cta), (0, 1, 2))
         k_layout = cute.tile_to_shape(atom, (p.block_size, p.index_head_dim, p.stages), (0, 1, 2))
@@ -127,26 +150,28 @@ class PrefillIndexScoreKernel:
             (p.block_size, p.index_head_dim),
         )
         mma = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
-            bf16,
-            bf16,
+            operand,
+            operand,
             OperandMajorMode.K,
             OperandMajorMode.K,
             cutlass.Float32,
             (1, 1, 1),
             (PREFILL_TILE_TOKENS, p.block_size),
         )
-        q_copy = row_copy(bf16, WARPGROUP, p.index_head_dim, cpasync.CopyG2SOp())
+        q_copy = row_copy(operand, WARPGROUP, p.index_head_dim, cpasync.CopyG2SOp())
 
         @cute.struct
         class Storage:
             full: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival per page
             empty: cute.struct.MemRange[cutlass.Int64, p.stages]  # every warp done with the page
-            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(k_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[operand, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[operand, cute.cosize(k_layout)], 1024]
 
         self.kernel(
             index_q,
+            index_q_scales,
             tma_keys,
+            index_key_scales,
             block_table,
             token_position,
             tiles,
@@ -168,7 +193,9 @@ class PrefillIndexScoreKernel:
     def kernel(
         self,
         index_q: cute.Tensor,
+        index_q_scales: cute.Tensor | None,
         tma_keys: cute.Tensor,
+        index_key_scales: cute.Tensor | None,
         block_table: cute.Tensor,
         token_position: cute.Tensor,
         tiles: cute.Tensor,
@@ -197,7 +224,7 @@ class PrefillIndexScoreKernel:
         num_rows = tiles[tile, 2] - first_token
         earliest = token_position[first_token]
         num_blocks = token_position[first_token + num_rows - 1] // p.block_size + 1
-        tx_bytes = p.block_size * p.index_head_dim * 2
+        tx_bytes = p.block_size * p.index_head_dim * p.operand.width // 8
 
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
         full = storage.full.data_ptr()
@@ -241,10 +268,16 @@ class PrefillIndexScoreKernel:
         )
         rows = cute.size(score_coords, mode=[0])
         row_position = cute.make_rmem_tensor((rows,), cutlass.Int32)  # -1 past the request's tokens
+        row_scale = cute.make_rmem_tensor((rows,), f32)  # FP8: the row's query scale
         for r in cutlass.range_constexpr(rows):
             row_position[r] = -1
+            row_scale[r] = 1.0
             if score_coords[r, 0][0] < num_rows:
                 row_position[r] = token_position[first_token + score_coords[r, 0][0]]
+                if cutlass.const_expr(p.fp8):
+                    row_scale[r] = index_q_scales[first_token + score_coords[r, 0][0], head]
+        cols = cute.size(score_coords, mode=[1])
+        key_scale = cute.make_rmem_tensor((cols,), f32)  # FP8: the scales of this thread's key columns
 
         for block in cutlass.range(num_blocks, unroll=1):
             stage = block % p.stages
@@ -253,6 +286,10 @@ class PrefillIndexScoreKernel:
                 released = (block - 1) % p.stages
                 cute.arch.mbarrier_wait(empty + released, ((block - 1) // p.stages) % 2)
                 self.load_page(tma_atom, tKg, tKs, full, block_table[request, block - 1 + p.stages], released, tx_bytes)
+            if cutlass.const_expr(p.fp8):  # loads in flight while the page arrives and the MMAs run
+                page = block_table[request, block]
+                for c in cutlass.range_constexpr(cols):
+                    key_scale[c] = index_key_scales[page, score_coords[0, c][1], key_head]
             cute.arch.mbarrier_wait(full + stage, (block // p.stages) % 2)
 
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size)), f32)
@@ -263,6 +300,10 @@ class PrefillIndexScoreKernel:
             # Each row's max over the keys it sees; masks only where the block reaches past the
             # tile's first token.
             acc_mn = acc_rows_cols(acc)
+            if cutlass.const_expr(p.fp8):
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(cols):
+                        acc_mn[r, c] = acc_mn[r, c] * key_scale[c]
             first_key = block * p.block_size
             diagonal = first_key + p.block_size - 1 > earliest
             for r in cutlass.range_constexpr(rows):
@@ -275,7 +316,7 @@ class PrefillIndexScoreKernel:
                     best = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -f32.inf, 0)
                 best = quad_reduce(best, cute.arch.fmax)
                 if lane % 4 == 0 and first_key <= row_position[r]:
-                    out[first_token + score_coords[r, 0][0], head, block] = best
+                    out[first_token + score_coords[r, 0][0], head, block] = best * row_scale[r]
 
     @cute.jit
     def load_page(self, tma_atom, tKg, tKs, full, page, stage, tx_bytes: cutlass.Constexpr):
@@ -286,10 +327,11 @@ class PrefillIndexScoreKernel:
 
 
 def prefill_index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.index_block_scores, for bf16 inputs on Hopper: each request's
-    tokens in tiles of PREFILL_TILE_TOKENS."""
+    """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 or FP8
+    index-key cache on Hopper: each request's tokens in tiles of PREFILL_TILE_TOKENS. With FP8 keys the
+    queries are rounded to e4m3 here, per token and index head (quantize_rows, the reference's rounding)."""
     out = torch.full(
         (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
         float("-inf"),
@@ -297,13 +339,18 @@ def prefill_index_block_scores(
         device=index_q.device,
     )
     tiles = batch.request_tiles(PREFILL_TILE_TOKENS)
-    _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.positions, tiles, out)
+    fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
+    if fp8:
+        operands = (*quantize_rows(index_q), index_key_cache.values, index_key_cache.scales)
+    else:
+        operands = (index_q.contiguous(), None, index_key_cache, None)
+    _kernel(shape, fp8)(*operands, batch.block_table, batch.positions, tiles, out)
     return out
 
 
 @functools.cache
-def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
+def _kernel(shape: MSAShape, fp8: bool) -> "tvm_ffi.Function":
     params = PrefillIndexScoreParams(
-        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size
+        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size, fp8
     )
     return compiled_kernel(PrefillIndexScoreKernel, params)
