@@ -4,7 +4,8 @@
 # own time limit and one summary line here; their logs (and the peer table's report and plots) come back as
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
-#   bash dev/gpu/kernel_checks.sh [tests] [memcheck] [racecheck] [topk] [sparse] [index] [prefill] [peers] [long]
+#   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
+#     [prefill_1m] [peers] [long]
 # (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -29,15 +30,19 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
 for check in "$@"; do
   case $check in
     tests) run pytest_cute 300 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
+    dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
     topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
     sparse) run bench_sparse_attention 150 python3 kernels/bench/bench_sparse_attention.py ;;
     index) run bench_index_scores 100 python3 kernels/bench/bench_index_scores.py ;;
     prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
+    prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
+      --new-tokens 16384 ;;
     peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
     long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
-    *) echo "unknown check '$check' (tests memcheck racecheck topk sparse index prefill peers long)" >&2; exit 2 ;;
+    *) echo "unknown check '$check' (tests dense memcheck racecheck topk sparse index prefill prefill_1m peers" \
+      "long)" >&2; exit 2 ;;
   esac
 done
