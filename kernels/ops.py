@@ -15,7 +15,7 @@ else the PyTorch reference (kernels/reference.py):
 
     step              decode part                          prefill part
     index scores      index_scores.py (bf16 keys),         index_scores_prefill.py (bf16 or FP8 keys),
-                      index_scores_fp8.py (FP8 keys)       index_scores.py (bf16 keys)
+                      index_scores_fp8.py (FP8 keys)       then as in decode
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
                       combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
@@ -30,14 +30,14 @@ is. A decode part never syncs the host and has no data-dependent shapes: a full-
 (single-token or a uniform verification batch) can be captured.
 
 An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL
-kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference)
-and scored, in a decode part, by index_scores_fp8.py reading the FP8 pages, in a prefill part by
-index_scores_prefill.py's FP8 variant (e4m3 warpgroup MMAs; where neither serves the shape, the reference,
-and a one-time warning says so). All compute the reference's function (the index queries rounded to e4m3 per
-token and index head), so a token selects the same blocks in either phase up to the MMAs' summation (float32
-in decode; the FP8 warpgroup MMAs accumulate with less precision: kernels/cute/index_scores_prefill.py). With
-the decode and write kernels an FP8 decode step, like a bf16 one, can be captured in a full CUDA graph
-(graph_capturable).
+kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference) and
+scored, in a decode part, by index_scores_fp8.py reading the FP8 pages, in a prefill part by
+index_scores_prefill.py's FP8 variant (e4m3 warpgroup MMAs; where it does not serve the shape, the decode
+kernel; where neither does, the reference, and a one-time warning says so). All compute the reference's
+function (the index queries rounded to e4m3 per token and index head), so a token selects the same blocks in
+either phase up to the MMAs' summation (float32 in decode; the FP8 warpgroup MMAs accumulate with less
+precision: kernels/cute/index_scores_prefill.py). With the decode and write kernels an FP8 decode step, like a
+bf16 one, can be captured in a full CUDA graph (graph_capturable).
 """
 
 import functools
@@ -112,15 +112,14 @@ def _steps(
     )
 
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
-    fp8_prefill = phase == "prefill" and index_key_dtype == Fp8IndexKeyCache.dtype
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
-    elif not fp8_prefill and index_scores.IndexScoreKernel.can_implement(*served):
+    elif index_scores.IndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores.index_block_scores)
-    elif not fp8_prefill and index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
+    elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
         steps = steps._replace(index_scores=index_scores_fp8.fp8_index_block_scores)
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
-        _warn_fp8_index_keys_run_the_reference(phase)
+        _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
         steps = steps._replace(topk=functools.partial(topk_blocks.topk_blocks, phase=phase))
@@ -135,18 +134,11 @@ def _steps(
 
 
 @functools.cache
-def _warn_fp8_index_keys_run_the_reference(phase: Phase) -> None:
-    if phase == "prefill":
-        logger.warning(
-            "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL FP8 prefill index-score kernel does not serve this "
-            "index-key shape (index head dims a multiple of 32 up to 256), so the index scores of prefill tokens "
-            "run the PyTorch path on this GPU (the same FP8 scores, slower prefill)"
-        )
-        return
+def _warn_fp8_index_keys_run_the_reference() -> None:
     logger.warning(
-        "FLASH_MSA: indexer_kv_dtype fp8: the CuTeDSL decode index-score kernel does not serve this index-key "
-        "shape in FP8, so the index scores run the PyTorch path on this GPU (the same FP8 scores, far slower; no "
-        "full CUDA graphs)"
+        "FLASH_MSA: indexer_kv_dtype fp8: no CuTeDSL index-score kernel serves this index-key shape in FP8 (bf16 "
+        "index queries, 128-token blocks; index head dims a multiple of 32), so the index scores run the PyTorch "
+        "path on this GPU (the same FP8 scores, far slower; no full CUDA graphs)"
     )
 
 

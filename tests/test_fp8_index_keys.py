@@ -172,17 +172,22 @@ def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_w
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8) == (
             "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, FP8 index-key writes: CuTeDSL"
         )
-        assert not caplog.records
-        # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3), the prefill kernel does not (the reference,
-        # one warning however often asked), nor the write kernel (64 lanes of 8 bf16), so the reference writes
-        # (a host sync) and a decode step gets no full graph.
+        # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3) in both phases, the prefill kernel does not
+        # (Dp over 256), nor the write kernel (64 lanes of 8 bf16), so the reference writes (a host sync) and a
+        # decode step gets no full graph.
         wide = _shape(head_dim=64, index_head_dim=512, block_size=128)
-        for _ in range(2):
-            assert ops._steps(probe.device, probe.dtype, fp8, wide, "prefill").index_scores is (
-                reference.index_block_scores
+        for phase in ("decode", "prefill"):
+            steps = ops._steps(probe.device, probe.dtype, fp8, wide, phase)
+            assert steps.index_scores is index_scores_fp8.fp8_index_block_scores
+        assert not caplog.records
+        # Dp 16: neither kernel scores it: the reference, one warning however often asked
+        narrow = _shape(head_dim=64, index_head_dim=16, block_size=128)
+        for phase in ("decode", "prefill", "decode"):
+            assert (
+                ops._steps(probe.device, probe.dtype, fp8, narrow, phase).index_scores is reference.index_block_scores
             )
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "index scores of prefill tokens run the PyTorch path" in warnings[0], warnings
+    assert len(warnings) == 1 and "index scores run the PyTorch path" in warnings[0], warnings
     assert ops.uses_cute_index_scores(probe, wide, "decode", index_key_dtype=fp8)
     assert ops._index_key_writer(probe.device, probe.dtype, 2, 512) is reference.write_index_keys
     assert not ops.graph_capturable(probe.device, probe.dtype, wide, index_key_dtype=fp8)

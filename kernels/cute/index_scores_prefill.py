@@ -9,9 +9,10 @@ cache (msa_kernels.fp8_index_keys: e4m3 values, a float32 scale per key) on e4m3
 bf16's rate, half its bytes), the index queries rounded to e4m3 per (token, index head) by the launcher as
 the reference rounds them. The FP8 scores are q8 . k8 x key scale x query scale: each column of S is scaled
 by its key's scale before the row max, the max by the row's query scale (a positive factor) after it.
-Hopper's FP8 MMAs accumulate with fewer bits than float32 (about 13 significant bits for each 32-element K
-step's partial sums and their running total): FP8 scores differ from the reference's float32 ones by up to
-Dp/32 x 2^-13 of their product magnitudes, far below the e4m3 rounding of the operands themselves.
+Hopper's FP8 MMAs accumulate with fewer bits than float32 (about 13 significant bits, inside each 32-element
+K step and on its running total): a model of that truncation puts FP8 scores within (16 + Dp/32) x 2^-13 of
+their product magnitudes (sum_i |q_i k_i|) of the reference's float32 ones, far below the e4m3 rounding of
+the operands themselves.
 
 A CTA owns 64 consecutive query tokens of one request and W index heads that read the same index-key
 head (W = Hi / Hki, at most 4): one warpgroup per index head, 64 MMA rows each, so every index-key

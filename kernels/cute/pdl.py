@@ -2,11 +2,12 @@
 combine.
 
 Each kernel of the chain is launched with use_pdl=True and calls wait_for_previous_kernel before it
-touches global memory: the GPU may then launch a kernel while the one before it on the stream is still
-finishing (its CTAs are scheduled and their prologue runs), and griddepcontrol.wait holds them until that
-grid has completed and its writes are visible. Where the kernel before was not launched this way (a torch
-op, vLLM's cache write) or there is none, the wait returns at once: launched this way a kernel starts only
-once its predecessor has completed, as without PDL.
+touches global memory: the GPU may then launch it while the kernel before it on the stream is still
+finishing (once that one's CTAs have all triggered, or exited), and griddepcontrol.wait holds its CTAs until
+that grid has completed and its writes are visible, whatever the kernel before was (one of these, a torch op,
+vLLM's cache write). Every kernel triggers only after its own wait, so at most two grids of the stream are
+resident at once and a kernel two launches later still sees every write before it. Kernels launched without
+the attribute (torch ops) wait for full completion of the one before, as always.
 """
 
 import cutlass.cute as cute

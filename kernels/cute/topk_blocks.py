@@ -4,18 +4,18 @@ Computes reference.topk_blocks: per (query token, index head) row, the forced bl
 block and the local_blocks-1 before it, the init blocks) and the best `need` = K - forced of the
 other visible blocks, ascending, -1 padded. topk_blocks launches it.
 
-The scores arrive as their fp32 bit patterns (int32); key = bits, or bits ^ 0x7fffffff for negative
-ones, orders them as the floats. The need-th largest candidate key is found by a radix select over the
-key's four bytes, highest first: per byte, a shared-memory histogram of the candidates that match the
-bytes found so far (warp-aggregated atomics: lanes holding the same byte add once), then a scan of its
-256 bins from the top finds the byte where the count reaches `need`, and `need` drops by the candidates
-above it. The search stops at the first byte whose bin holds exactly the `need` candidates still wanted
-(random scores: after about two of the four passes): every key in that bin's range is kept. Else, after
-the last byte, `need` is how many candidates equal to the threshold to keep. A last pass
-gives each thread a contiguous run of the row's blocks: it counts the forced blocks, the candidates above
-the threshold and those equal to it; one row-wide scan of the counts gives each thread its output slot
-and its share of the equal ones (ties go to the lower block number), so the output comes out sorted.
-Rows with no more candidates than slots skip the search and take every visible block.
+The scores arrive as their fp32 bit patterns (int32); key = bits, or (bits ^ 0x7fffffff) + 1 for negative
+ones, orders them as the floats (-0.0 and +0.0 both key 0: equal, as the reference ranks them). The need-th
+largest candidate key is found by a radix select over the key's four bytes, highest first: per byte, a
+shared-memory histogram of the candidates that match the bytes found so far (warp-aggregated atomics: lanes
+holding the same byte add once), then a scan of its 256 bins from the top finds the byte where the count
+reaches `need`, and `need` drops by the candidates above it. The search stops at the first byte whose bin
+holds exactly the `need` candidates still wanted (random scores: after about two of the four passes): every
+key in that bin's range is kept. Else, after the last byte, `need` is how many candidates equal to the
+threshold to keep. A last pass gives each thread a contiguous run of the row's blocks: it counts the forced
+blocks, the candidates above the threshold and those equal to it; one row-wide scan of the counts gives each
+thread its output slot and its share of the equal ones (ties go to the lower block number), so the output
+comes out sorted. Rows with no more candidates than slots skip the search and take every visible block.
 
 Threads per row (TopkBlocksParams.row_threads): a CTA of 128-1024 threads per row, whose histograms and
 scans cross warps through shared memory with a CTA barrier each, or one warp per row (32: a CTA of 4 warps
@@ -214,10 +214,11 @@ class TopkBlocksKernel:
 
     @cute.jit
     def order_key(self, bits: cutlass.Int32) -> cutlass.Int32:
-        """The float's order as a signed int: negative floats have their magnitude bits flipped."""
+        """The float's order as a signed int: negative floats have their magnitude bits flipped, then + 1 so
+        that -0.0 (bits INT32_MIN) is 0 as +0.0 is (no overflow: the largest result is 0)."""
         key = bits
         if bits < 0:
-            key = bits ^ INT32_MAX
+            key = (bits ^ INT32_MAX) + 1
         return key
 
     @cute.jit
@@ -231,7 +232,9 @@ class TopkBlocksKernel:
         prefix = cutlass.Int32(0)  # the bytes found so far, in unsigned-key form
         range_lo = cutlass.Int32(0)
         range_hi = cutlass.Int32(0)
-        done = cutlass.Int32(0)  # the same on every thread of the row: it reads `found` after a row barrier
+        # The same on every thread of the row (it reads `found` after a row barrier), so the barriers inside
+        # `if done == 0` are not divergent: a CTA barrier only where a CTA holds one row (row_sync).
+        done = cutlass.Int32(0)
         rounds = (local_start - init_end + p.row_threads - 1) // p.row_threads
         for byte in cutlass.range_constexpr(4):
             shift = 24 - 8 * byte
