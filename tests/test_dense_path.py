@@ -45,6 +45,8 @@ def _want(case: PagedCase) -> torch.Tensor:
     return torch.cat([case.dense_causal(r) for r in range(case.batch.num_requests)])
 
 
+FA3_FP8_REL_ERR = 5e-2  # FlashAttention 3 on e4m3 Q, K, V and probabilities (the FP8 test says why)
+
 # A vLLM attention layer's FP8 scales (vLLM's Attention holds them as these attributes; powers of two, so that
 # dividing by them and multiplying by their inverse round alike)
 FP8_LAYER = SimpleNamespace(
@@ -122,9 +124,10 @@ def test_dense_path_is_dense_causal_attention(device, batch_name):
 @pytest.mark.parametrize("batch_name", BATCHES)
 def test_dense_path_on_an_fp8_kv_cache_is_dense_attention_over_its_dequantised_pages(device, batch_name):
     """--kv-cache-dtype fp8: on CPU the sparse path over every block dequantises the pages (float32, tight); on
-    Hopper FlashAttention 3 reads them with e4m3 queries and descales. Its second matmul takes the softmax
-    probabilities in e4m3 too (3 mantissa bits: up to 6% per element, averaging out over a row's keys), hence
-    a relative error bound of 3e-2 there against bf16's 1e-2."""
+    Hopper FlashAttention 3 reads them with e4m3 queries and descales. Its second matmul also takes the
+    softmax probabilities in e4m3 (exp2(s - max + 8), rounded): about 2.5% relative RMS error in the output,
+    which does not shrink with the context (the output and its error are both sums over the keys), so the
+    bound there is 5e-2 (a float64 model of FA3's rounding on these inputs: 0.002-0.025) with cosine 0.999."""
     case = _dense_case(device, batch_name, fp8_kv=True)
     layer = _fp8_layer(device)
     fp8_cache = reference.fp8_kv_cache(case.kv_cache, (FP8_LAYER._k_scale_float, FP8_LAYER._v_scale_float))
@@ -136,7 +139,7 @@ def test_dense_path_on_an_fp8_kv_cache_is_dense_attention_over_its_dequantised_p
     out = torch.full_like(case.q, float("nan"))
     impl.forward(layer, case.q, None, None, fp8_cache.flatten(-2), _metadata(case.batch), out)
     want = _fp8_want(case, fp8_cache, e4m3_queries=flash_attn is not None)
-    _assert_close(out, want, 0.99 if device == "cuda" else 0.999999, 3e-2 if device == "cuda" else 1e-5)
+    _assert_close(out, want, 0.999 if device == "cuda" else 0.999999, FA3_FP8_REL_ERR if device == "cuda" else 1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,6 +195,7 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches(fp8_kv
     )
     kv_cache, layer = case.kv_cache, None
     if fp8_kv:
+        case.kv_cache.nan_to_num_(nan=1e3)  # finite stale slots, as in vLLM's caches (the FP8 test's reason)
         kv_cache = reference.fp8_kv_cache(case.kv_cache, (FP8_LAYER._k_scale_float, FP8_LAYER._v_scale_float))
         layer = _fp8_layer("cuda")
     impl = FlashMSAImpl(
@@ -211,4 +215,4 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches(fp8_kv
     graph.replay()
     torch.cuda.synchronize()
     want = _fp8_want(case, kv_cache, e4m3_queries=True) if fp8_kv else _want(case)
-    _assert_close(out[:n], want, 0.99, 3e-2 if fp8_kv else 1e-2)
+    _assert_close(out[:n], want, 0.999 if fp8_kv else 0.99, FA3_FP8_REL_ERR if fp8_kv else 1e-2)

@@ -153,13 +153,18 @@ def test_unservable_cache_flags_name_the_fix(block_size, user_block_size, cache_
         _check_cache(vllm_config, msa)
 
 
+def _fp8_cache_config(device_type: str):
+    cache = SimpleNamespace(block_size=128, user_specified_block_size=False, cache_dtype="fp8")
+    vllm_config = SimpleNamespace(cache_config=cache, device_config=SimpleNamespace(device_type=device_type))
+    vllm_config.attention_config = _attention_config("auto").attention_config
+    return cache, vllm_config
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda", "xpu"])
 def test_fp8_kv_cache_is_served_on_cpu_and_cuda_and_refused_by_name_elsewhere(device_type):
     from vllm_msa.config import _check_cache
 
-    cache = SimpleNamespace(block_size=128, user_specified_block_size=False, cache_dtype="fp8")
-    vllm_config = SimpleNamespace(cache_config=cache, device_config=SimpleNamespace(device_type=device_type))
-    vllm_config.attention_config = _attention_config("auto").attention_config
+    cache, vllm_config = _fp8_cache_config(device_type)
     msa = MSAModelConfig.from_hf_config(_HF(msa_config=MSA))
     if device_type == "xpu":
         with pytest.raises(MSAConfigError, match="--kv-cache-dtype fp8 is served on cpu and cuda only.*not on xpu"):
@@ -167,6 +172,17 @@ def test_fp8_kv_cache_is_served_on_cpu_and_cuda_and_refused_by_name_elsewhere(de
     else:
         _check_cache(vllm_config, msa)
         assert cache.block_size == 128
+
+
+def test_fp8_kv_cache_is_refused_where_vllm_writes_another_fp8_type(monkeypatch):
+    """ROCm reports device type cuda; on its MI300 vLLM's FP8 type is e4m3fnuz, which FLASH_MSA does not read."""
+    from vllm_msa import compat
+    from vllm_msa.config import _check_cache
+
+    monkeypatch.setattr(compat, "platform_fp8_dtype", lambda: torch.float8_e4m3fnuz)
+    _, vllm_config = _fp8_cache_config("cuda")
+    with pytest.raises(MSAConfigError, match="vLLM writes torch.float8_e4m3fnuz K/V pages on this platform"):
+        _check_cache(vllm_config, MSAModelConfig.from_hf_config(_HF(msa_config=MSA)))
 
 
 def test_fp8_index_key_pages_budget_values_and_scales():

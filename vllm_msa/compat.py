@@ -129,6 +129,13 @@ def unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
+def platform_fp8_dtype() -> torch.dtype:
+    """The FP8 type vLLM's ops write on this platform (e4m3fn; e4m3fnuz on ROCm's MI300)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.fp8_dtype()
+
+
 def quantize_fp8_per_tensor(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """e4m3 of rows [T, N] / scale (one element), saturated: vLLM's static scaled_fp8_quant, as its attention
     layers quantise queries for FlashAttention on an FP8 K/V cache."""
