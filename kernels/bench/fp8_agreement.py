@@ -4,7 +4,8 @@ kernels compute), from the repository root:
 
     PYTHONPATH=. python -m msa_kernels.bench.fp8_agreement [--contexts 4096 16384 65536 131072]
         [--tokens 32] [--demo-contexts 2048 8192 32768] [--m3-contexts 2048 8192]
-        [--greedy-lengths 1024 2048 4096] [--greedy-tokens 16] [--models-dir DIR]
+        [--greedy-lengths 1024 2048 4096] [--greedy-tokens 16] [--greedy-presets default m3-attention]
+        [--models-dir DIR]
 
 Index keys: one MSA layer's decode queries at the last --tokens positions of one context (one request each),
 selected over a bf16 index-key cache (bf16 index queries) and over the FP8 cache of the same bf16 keys
@@ -26,7 +27,8 @@ from the bf16 one.
   (serve/build_demo_model.py, built into --models-dir): tests/reference_model.py runs the model (float32) on
   the tokens of stdlib Python source, and the inputs of every MSA layer are captured where it calls
   msa_attention (q, K and V then rounded to bf16, as a bf16 model's caches); the layers' pairs are pooled.
-- greedy: greedy tokens of the demo checkpoint's reference model with FP8, bf16 and float32 index keys
+- greedy: greedy tokens of the demo checkpoint's reference model (each of --greedy-presets: the default
+  preset, the m3-attention one) with FP8, bf16 and float32 index keys
   (msa_config.indexer_kv_dtype fp8, bf16, auto), the rest of the model in float32, on source-text prompts of
   each length: where FP8 first differs from bf16, and bf16 from float32; and with bf16 index keys and an FP8
   K/V cache in every layer: where it first differs from the float32 K/V.
@@ -234,6 +236,7 @@ def main() -> None:
     parser.add_argument("--m3-contexts", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--greedy-lengths", type=int, nargs="*", default=[1024, 2048, 4096])
     parser.add_argument("--greedy-tokens", type=int, default=16)
+    parser.add_argument("--greedy-presets", nargs="*", default=["default"], choices=["default", "m3-attention"])
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "vllm-msa-fp8-agreement")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -254,9 +257,9 @@ def main() -> None:
             for inputs in captured_inputs(models[name], context, args.tokens):
                 agreement.add(inputs)
             print(agreement.row(context, time.perf_counter() - start), flush=True)
-    if args.greedy_lengths:
-        print("\ngreedy tokens, demo checkpoint, by index-key format (the rest of the model in float32)")
-        print_greedy_agreement(models["default"], args.greedy_lengths, args.greedy_tokens)
+    for name in args.greedy_presets if args.greedy_lengths else ():
+        print(f"\ngreedy tokens, demo checkpoint ({name} preset), by cache format (the rest of the model in float32)")
+        print_greedy_agreement(models[name], args.greedy_lengths, args.greedy_tokens)
 
 
 if __name__ == "__main__":
