@@ -84,10 +84,12 @@ def _on_hopper(device: torch.device) -> bool:
 
 
 class Steps(NamedTuple):
-    """The implementations of one phase's part: index scores, top-k, sparse attention (on a contiguous K/V
-    cache; a strided one runs the reference)."""
+    """The implementations of one phase's part: index scores, the same as top-k needs them (which reads each
+    row's visible blocks only, so an implementation may leave the others unwritten), top-k, sparse attention
+    (on a contiguous K/V cache; a strided one runs the reference)."""
 
     index_scores: Callable
+    selection_scores: Callable
     topk: Callable
     attention: Callable
 
@@ -99,7 +101,9 @@ def _steps(
     """What runs each step of a part of this phase, for inputs of this device and dtype and an index-key cache
     of index_key_dtype (Fp8IndexKeyCache.dtype: an FP8 cache): chosen once per (device, dtypes, shape, phase),
     since an eager layer call must cost microseconds of host time."""
-    steps = Steps(reference.index_block_scores, reference.topk_blocks, reference.sparse_attention)
+    steps = Steps(
+        reference.index_block_scores, reference.index_block_scores, reference.topk_blocks, reference.sparse_attention
+    )
     if not _on_hopper(device):
         return steps
     from msa_kernels.cute import (
@@ -113,11 +117,14 @@ def _steps(
 
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
-        steps = steps._replace(index_scores=index_scores_prefill.prefill_index_block_scores)
+        prefill = index_scores_prefill.prefill_index_block_scores
+        steps = steps._replace(index_scores=prefill, selection_scores=functools.partial(prefill, fill_hidden=False))
     elif index_scores.IndexScoreKernel.can_implement(*served):
-        steps = steps._replace(index_scores=index_scores.index_block_scores)
+        decode = index_scores.index_block_scores
+        steps = steps._replace(index_scores=decode, selection_scores=decode)
     elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
-        steps = steps._replace(index_scores=index_scores_fp8.fp8_index_block_scores)
+        decode = index_scores_fp8.fp8_index_block_scores
+        steps = steps._replace(index_scores=decode, selection_scores=decode)
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
@@ -285,7 +292,7 @@ def select_blocks(
         steps = _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase)
         part_q, part_selected = _rows(index_q, rows), _rows(selected, rows)
         for chunk_rows, chunk in _score_chunks(part, shape):
-            scores = steps.index_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape)
+            scores = steps.selection_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape)
             steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
     return selected
 

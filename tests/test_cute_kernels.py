@@ -255,6 +255,12 @@ def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
     # same top-k selection except at exact ties (the kernel's fp32 sums may tie or split differently)
     positions = case.batch.positions
     assert torch.equal(reference.topk_blocks(got, positions, shape), reference.topk_blocks(want, positions, shape))
+    if phase == "prefill":  # as select_blocks runs it: hidden blocks unwritten, which top-k must not read
+        unfilled = launch(case.index_q, case.index_key_cache, case.batch, shape, fill_hidden=False)
+        unfilled[~finite] = float("nan")  # whatever the memory held
+        assert torch.equal(unfilled[finite], got[finite])
+        selected = topk_blocks.topk_blocks(unfilled, positions, shape, phase="prefill")
+        assert torch.equal(selected, topk_blocks.topk_blocks(got, positions, shape, phase="prefill"))
 
 
 def fp8_pages(index_key_cache: torch.Tensor, page_padding: int = 16) -> Fp8IndexKeyCache:

@@ -25,7 +25,7 @@ Tiles are launched last first: the causal work grows along the request, so the l
 in the first wave.
 
 Blocks past a row's position are not written: prefill_index_block_scores, its launcher, fills out
-with -inf first.
+with -inf first, unless its caller only reads each row's visible blocks (top-k: fill_hidden=False).
 """
 
 import functools
@@ -328,17 +328,22 @@ class PrefillIndexScoreKernel:
 
 
 def prefill_index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor,
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
+    batch: PagedBatch,
+    shape: MSAShape,
+    fill_hidden: bool = True,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 or FP8
     index-key cache on Hopper: each request's tokens in tiles of PREFILL_TILE_TOKENS. With FP8 keys the
-    queries are rounded to e4m3 here, per token and index head (quantize_rows, the reference's rounding)."""
-    out = torch.full(
-        (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
-        float("-inf"),
-        dtype=torch.float32,
-        device=index_q.device,
-    )
+    queries are rounded to e4m3 here, per token and index head (quantize_rows, the reference's rounding).
+    fill_hidden=False leaves the blocks past each token's position as the memory held them (for top-k, which
+    reads a row's visible blocks only): no write of the whole tensor (1 GiB per 64K tokens of a 128K context)."""
+    size = (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1])
+    if fill_hidden:
+        out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
+    else:
+        out = torch.empty(size, dtype=torch.float32, device=index_q.device)
     tiles = batch.request_tiles(PREFILL_TILE_TOKENS)
     fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
     if fp8:
