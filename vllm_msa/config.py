@@ -290,18 +290,17 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
             f"leave it out (or use one of {list(SERVED_CACHE_DTYPES)}). FP8 index keys: --attention-config "
             '\'{"indexer_kv_dtype": "fp8"}\''
         )
-    if cache.cache_dtype in FP8_CACHE_DTYPES and (device_type := vllm_config.device_config.device_type) not in (
-        FP8_KV_DEVICES
-    ):
-        raise MSAConfigError(
-            f"--kv-cache-dtype {cache.cache_dtype} is served on {' and '.join(FP8_KV_DEVICES)} only: FLASH_MSA writes "
-            f"and reads e4m3 K/V pages there, not on {device_type}; leave it out"
-        )
-    if cache.cache_dtype in FP8_CACHE_DTYPES and (fp8 := compat.platform_fp8_dtype()) != torch.float8_e4m3fn:
-        raise MSAConfigError(
-            f"--kv-cache-dtype {cache.cache_dtype}: vLLM writes {fp8} K/V pages on this platform and FLASH_MSA reads "
-            "float8_e4m3fn ones; leave it out"
-        )
+    if cache.cache_dtype in FP8_CACHE_DTYPES:
+        if (device_type := vllm_config.device_config.device_type) not in FP8_KV_DEVICES:
+            raise MSAConfigError(
+                f"--kv-cache-dtype {cache.cache_dtype} is served on {' and '.join(FP8_KV_DEVICES)} only: FLASH_MSA "
+                f"writes and reads e4m3 K/V pages there, not on {device_type}; leave it out"
+            )
+        if (fp8 := compat.platform_fp8_dtype()) != torch.float8_e4m3fn:
+            raise MSAConfigError(
+                f"--kv-cache-dtype {cache.cache_dtype}: vLLM writes {fp8} K/V pages on this platform and FLASH_MSA "
+                "reads float8_e4m3fn ones; leave it out"
+            )
     served_indexer_kv_dtype(vllm_config, msa)
     cache.block_size = msa.block_size
     cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it
