@@ -167,15 +167,7 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches(fp8_kv
     """Capture a decode step on short contexts with vLLM's split bound for graphs, replay it on up
     to 128K-token contexts and a padded batch (seq_len 0, no tokens), as vLLM's full graphs do; on a bf16
     and on an FP8 K/V cache (the query quantisation recorded too)."""
-    shape = MSAShape(
-        num_q_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_index_heads=4,
-        num_index_key_heads=1,
-        index_head_dim=8,
-        topk_blocks=1,
-    )
+    shape = replace(DENSE_SHAPE, num_q_heads=64, num_kv_heads=4, num_index_heads=4)  # M3's heads
     seq_lens = [131072, 700, 9000]
     case = make_case(shape, [1] * len(seq_lens), seq_lens, dtype=torch.bfloat16, device="cuda", seed=5)
     padded, n = 4, len(seq_lens)
