@@ -1,8 +1,9 @@
 """Host (Python) time of one eager MSA layer call, ops.msa_attention, at M3 shapes, with a cProfile breakdown.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_host_overhead.py [--calls N] [--group G] [--top K]
+        [--python-only]
 
-(on the GPU machine, CuTeDSL installed; importable anywhere, only main() needs a GPU). Cases: decode
+(on the GPU machine, CuTeDSL installed; with --python-only anywhere, see below). Cases: decode
 batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
 SCALE, paged_problem of msa_kernels.bench.problems; the output written into a preallocated buffer, as
 vLLM's backend passes it). Each case reuses one batch, as the layers of a step share theirs, so
@@ -18,6 +19,12 @@ functions by own time (tottime), with their call counts per layer call.
 
 Warm-up calls come first (the first compiles or loads the kernels); the table says which
 implementation runs each step (ops.describe), since the PyTorch path would be timed otherwise.
+
+--python-only (any machine, CPU tensors): ops routes every step to the CuTeDSL launchers as on a Hopper GPU,
+but each compiled kernel is a no-op and nothing is allocated on a GPU: what is timed is the call's Python
+(routing, launcher arithmetic, views, host allocations), without the compiled calls (kernel launches,
+their argument checks) that the GPU run adds. TVM-FFI's own argument passing is printed for scale
+(tvm_ffi's testing.nop with the decode attention call's tensor count).
 """
 
 import argparse
@@ -41,9 +48,9 @@ CASES = {  # name: requests (context tokens, of which new)
 }
 
 
-def layer_call(requests: list[tuple[int, int]]):
+def layer_call(requests: list[tuple[int, int]], device: str = "cuda"):
     """A no-argument eager ops.msa_attention call on one problem of these requests."""
-    batch, q, index_q, kv, index_keys, _ = paged_problem(requests)
+    batch, q, index_q, kv, index_keys, _ = paged_problem(requests, device=device)
     out = torch.empty_like(q)
     return lambda: ops.msa_attention(q, index_q, kv, index_keys, batch, M3_SHAPE, SCALE, out=out)
 
@@ -52,9 +59,10 @@ def run_groups(call, calls: int, group: int, profile: cProfile.Profile | None = 
     """(host seconds per call, synced seconds per call) over `calls` calls in groups of `group`."""
     host = synced = 0.0
     done = 0
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     while done < calls:
         n = min(group, calls - done)
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         if profile is not None:
             profile.enable()
@@ -63,7 +71,7 @@ def run_groups(call, calls: int, group: int, profile: cProfile.Profile | None = 
         if profile is not None:
             profile.disable()
         returned = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         host += returned - start
         synced += time.perf_counter() - start
         done += n
@@ -87,9 +95,18 @@ def main():
     parser.add_argument("--group", type=int, default=4, help="calls between two synchronizes")
     parser.add_argument("--warmup", type=int, default=20, help="untimed calls first")
     parser.add_argument("--top", type=int, default=25, help="functions of the cProfile breakdown")
+    parser.add_argument("--python-only", action="store_true", help="CPU tensors, every compiled kernel a no-op")
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}\n")
-    calls = {name: layer_call(requests) for name, requests in CASES.items()}
+    device = "cpu" if args.python_only else "cuda"
+    if args.python_only:
+        kernels_as_no_ops()
+        print(
+            f"Python only (kernels no-ops, CPU tensors): {ops.describe(torch.device(device), torch.bfloat16, M3_SHAPE)}"
+        )
+        print(f"TVM-FFI argument passing, 10 tensors: {ffi_call_seconds(10) * 1e6:.2f} us a call\n")
+    else:
+        print(f"{torch.cuda.get_device_name()}: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}\n")
+    calls = {name: layer_call(requests, device) for name, requests in CASES.items()}
     print("| case | host us/call | synced us/call |\n|---|---|---|")
     for name, call in calls.items():
         run_groups(call, args.warmup, args.group)
@@ -100,6 +117,44 @@ def main():
         run_groups(call, args.calls, args.group, profile)
         print(f"\n{name}: cProfile, top {args.top} by own time (profiling slows each Python call)\n")
         print(breakdown(profile, args.calls, args.top), flush=True)
+
+
+def kernels_as_no_ops() -> None:
+    """ops as on a Hopper GPU (any device), each kernel of kernels/cute compiled to a no-op: what remains of a
+    layer call is its Python."""
+    from msa_kernels.cute import (
+        combine,
+        index_scores,
+        index_scores_fp8,
+        index_scores_prefill,
+        sparse_attn,
+        sparse_attn_prefill,
+        topk_blocks,
+    )
+
+    def no_op(*args):
+        return None
+
+    ops._on_hopper = lambda device: True
+    ops._steps.cache_clear()
+    kernel_modules = (combine, index_scores, index_scores_fp8, index_scores_prefill, sparse_attn, sparse_attn_prefill)
+    for module in (*kernel_modules, topk_blocks):
+        module.compiled_kernel = lambda kernel_cls, params: no_op
+    sparse_attn.num_sms = lambda device_index: 132  # the H200's
+
+
+def ffi_call_seconds(tensors: int, calls: int = 20000) -> float:
+    """Seconds of one TVM-FFI call that does nothing with this many torch tensors (tvm_ffi's testing.nop)."""
+    import tvm_ffi
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    args = [torch.zeros(4) for _ in range(tensors)]
+    for _ in range(100):
+        nop(*args)
+    start = time.perf_counter()
+    for _ in range(calls):
+        nop(*args)
+    return (time.perf_counter() - start) / calls
 
 
 if __name__ == "__main__":

@@ -30,35 +30,35 @@ CONTEXTS = (8192, 32768, 131072)
 DECODE_BATCHES = (1, 8, 32)
 
 
-def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, seed: int = 0):
-    """Inputs of one MSA layer for requests (context tokens, of which new) on the GPU: the batch, q, index_q,
-    the K/V cache [pages, 2, B, Hkv, D], the index-key cache [pages, B, Hki, Dp] and a selection made from
-    random block scores (decode cost depends only on how many blocks are picked)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, seed: int = 0, device: str = "cuda"):
+    """Inputs of one MSA layer for requests (context tokens, of which new) on the GPU (or device): the batch, q,
+    index_q, the K/V cache [pages, 2, B, Hkv, D], the index-key cache [pages, B, Hki, Dp] and a selection made
+    from random block scores (decode cost depends only on how many blocks are picked)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     b = shape.block_size
     blocks = [-(-context // b) for context, _ in requests]
-    pages = torch.randperm(sum(blocks), device="cuda", generator=g).to(torch.int32)
-    table = torch.full((len(requests), max(blocks)), -1, dtype=torch.int32, device="cuda")
+    pages = torch.randperm(sum(blocks), device=device, generator=g).to(torch.int32)
+    table = torch.full((len(requests), max(blocks)), -1, dtype=torch.int32, device=device)
     first = 0
     for r, n in enumerate(blocks):
         table[r, :n] = pages[first : first + n]
         first += n
     q_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     batch = PagedBatch(
-        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).cuda(),
-        seq_lens=torch.tensor([context for context, _ in requests], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
+        seq_lens=torch.tensor([context for context, _ in requests], dtype=torch.int32, device=device),
         block_table=table,
     )
     tokens = batch.num_tokens
 
     def randn(*size):
-        return torch.randn(*size, device="cuda", generator=g).to(torch.bfloat16)
+        return torch.randn(*size, device=device, generator=g).to(torch.bfloat16)
 
     kv = randn(sum(blocks), 2, b, shape.num_kv_heads, shape.head_dim)
     index_cache = randn(sum(blocks), b, shape.num_index_key_heads, shape.index_head_dim)
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     index_q = randn(tokens, shape.num_index_heads, shape.index_head_dim)
-    scores = torch.randn(tokens, shape.num_index_heads, max(blocks), device="cuda", generator=g)
+    scores = torch.randn(tokens, shape.num_index_heads, max(blocks), device=device, generator=g)
     selected = reference.topk_blocks(scores, batch.positions, shape)
     return batch, q, index_q, kv, index_cache, selected
 
