@@ -15,7 +15,10 @@ host us/call   wall time until the call returns, averaged over --calls calls: th
 synced us/call the same groups' wall time with the synchronize included: the GPU's time where it is
                the larger (then the host time above hides behind the GPU in serving)
 Then, per case, cProfile over the same groups (the synchronize outside the profile): the --top
-functions by own time (tottime), with their call counts per layer call.
+functions by own time (tottime), with their call counts per layer call. Last, the host cost of the pieces a
+layer call is made of, each timed alone the same way: a TVM-FFI call that does nothing (tvm_ffi's testing.nop)
+with 3 and 10 CUDA tensors, one compiled CuTeDSL kernel call (combine.py's, on prepared tensors), a
+torch.empty on the GPU and a small torch kernel launch, so the 103 us of the fifth session can be told apart.
 
 Warm-up calls come first (the first compiles or loads the kernels); the table says which
 implementation runs each step (ops.describe), since the PyTorch path would be timed otherwise.
@@ -117,6 +120,31 @@ def main():
         run_groups(call, args.calls, args.group, profile)
         print(f"\n{name}: cProfile, top {args.top} by own time (profiling slows each Python call)\n")
         print(breakdown(profile, args.calls, args.top), flush=True)
+    if not args.python_only:
+        print("\n| piece | host us/call |\n|---|---|")
+        for name, call in piece_calls().items():
+            run_groups(call, args.warmup, args.group)
+            print(f"| {name} | {run_groups(call, args.calls, args.group)[0] * 1e6:.2f} |", flush=True)
+
+
+def piece_calls() -> dict:
+    """No-argument calls of the pieces an eager layer call is made of, on the GPU."""
+    import tvm_ffi
+
+    from msa_kernels.cute.combine import combine_splits
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    tensors = [torch.zeros(4, device="cuda") for _ in range(10)]
+    splits, hq, d = 32, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim
+    partial = torch.zeros(splits, 1, hq, d, device="cuda")
+    lse, out = torch.zeros(splits, 1, hq, device="cuda"), torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
+    return {
+        "TVM-FFI no-op call, 3 CUDA tensors": lambda: nop(*tensors[:3]),
+        "TVM-FFI no-op call, 10 CUDA tensors": lambda: nop(*tensors),
+        "compiled CuTeDSL kernel call (combine, 3 tensors)": lambda: combine_splits(partial, lse, out),
+        "torch.empty on the GPU (32 x 64 x 128 fp32)": lambda: torch.empty(splits, hq, d, device="cuda"),
+        "torch kernel launch (add_ on 4 floats)": lambda: tensors[0].add_(1),
+    }
 
 
 def kernels_as_no_ops() -> None:
