@@ -12,6 +12,7 @@ than random scores' do.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,12 +181,14 @@ def _train(demo_model, out: Path, *flags: str) -> subprocess.CompletedProcess:
 def test_cpu_smoke_training_stops_on_budget_resumes_and_exports(demo_model, task, tmp_path):
     stopped = _train(demo_model, tmp_path, "--time-budget-s", "10")
     assert stopped.returncode == BUDGET_STOPPED, stopped.stdout + stopped.stderr
-    assert "time budget: stopped at phase 1" in stopped.stdout and (tmp_path / "state.pt").is_file()
+    # 2 s of training (the budget less the 8 s reserve) ends in phase 1 or, on a fast or idle machine, phase 2
+    where = re.search(r"time budget: stopped at phase (\d) \((\w+)\) step (\d+)", stopped.stdout)
+    assert where and where[1] in "12" and (tmp_path / "state.pt").is_file(), stopped.stdout
     done = _train(demo_model, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "resuming: phase 1 (dense), step " in done.stdout
-    for after in ("phase 1", "phase 2", "phase 3"):
-        assert f"[eval after {after}] msa   pass-key accuracy by context  640: " in done.stdout
+    assert f"resuming: phase {where[1]} ({where[2]}), step {where[3]}" in done.stdout
+    for after in ("phase 1", "phase 2", "phase 3"):  # each evaluation in the run that finished its phase
+        assert f"[eval after {after}] msa   pass-key accuracy by context  640: " in stopped.stdout + done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == {"dense": 4, "index": 2, "msa": 2} and len(summary["evaluations"]) == 3
     msa_means = [np.mean(list(e["msa"].values())) for e in summary["evaluations"]]
