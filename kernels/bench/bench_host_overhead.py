@@ -32,7 +32,9 @@ their argument checks) that the GPU run adds. TVM-FFI's own argument passing is 
 
 import argparse
 import cProfile
+import importlib
 import io
+import pkgutil
 import pstats
 import time
 from pathlib import Path
@@ -150,24 +152,18 @@ def piece_calls() -> dict:
 def kernels_as_no_ops() -> None:
     """ops as on a Hopper GPU (any device), each kernel of kernels/cute compiled to a no-op: what remains of a
     layer call is its Python."""
-    from msa_kernels.cute import (
-        combine,
-        index_scores,
-        index_scores_fp8,
-        index_scores_prefill,
-        sparse_attn,
-        sparse_attn_prefill,
-        topk_blocks,
-    )
+    import msa_kernels.cute as cute_kernels
 
     def no_op(*args):
         return None
 
     ops._on_hopper = lambda device: True
     ops._steps.cache_clear()
-    kernel_modules = (combine, index_scores, index_scores_fp8, index_scores_prefill, sparse_attn, sparse_attn_prefill)
-    for module in (*kernel_modules, topk_blocks):
-        module.compiled_kernel = lambda kernel_cls, params: no_op
+    for info in pkgutil.iter_modules(cute_kernels.__path__):  # every launcher that compiles a kernel
+        module = importlib.import_module(f"msa_kernels.cute.{info.name}")
+        if hasattr(module, "compiled_kernel"):
+            module.compiled_kernel = lambda kernel_cls, params: no_op
+    sparse_attn = importlib.import_module("msa_kernels.cute.sparse_attn")
     sparse_attn.num_sms = lambda device_index: 132  # the H200's
 
 
