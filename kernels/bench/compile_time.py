@@ -24,6 +24,10 @@ VARIANTS = [
     (IndexScoreKernel, IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (Fp8IndexScoreKernel, Fp8IndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
     (PrefillIndexScoreKernel, PrefillIndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim)),
+    (
+        PrefillIndexScoreKernel,
+        PrefillIndexScoreParams(S.num_index_heads, S.num_index_key_heads, S.index_head_dim, fp8=True),
+    ),
     (TopkBlocksKernel, TopkBlocksParams(S.topk_blocks, S.local_blocks, S.init_blocks)),
     (SparseAttentionKernel, SparseAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim)),
     (
