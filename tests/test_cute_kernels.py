@@ -277,6 +277,13 @@ def fp8_pages(index_key_cache: torch.Tensor, page_padding: int = 16) -> Fp8Index
     return cache
 
 
+def exact_fp8_operands(index_q: torch.Tensor, cache: Fp8IndexKeyCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the FP8 kernels multiply, in float64: the index queries rounded to e4m3 as quantize_rows rounds them,
+    and the FP8 cache's keys, each times its scale."""
+    q8, q_scales = quantize_rows(index_q)
+    return q8.double() * q_scales.double()[..., None], cache.values.double() * cache.scales.double()[..., None]
+
+
 def assert_selects_as(got_scores, want_scores, positions, shape, tol):
     """got_scores' top-k blocks are want_scores', except in rows where want_scores' k-th and (k+1)-th best
     ranked blocks are within tol (float32 summation order may swap those)."""
@@ -317,9 +324,7 @@ def test_fp8_index_score_kernel_matches_the_reference(case_name, hi, hki, dp):
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 1)
     cache = fp8_pages(case.index_key_cache)
     got = index_scores_fp8.fp8_index_block_scores(case.index_q, cache, case.batch, shape)
-    q8, q_scales = quantize_rows(case.index_q)
-    exact_q = q8.double() * q_scales.double()[..., None]
-    exact_keys = cache.values.double() * cache.scales.double()[..., None]
+    exact_q, exact_keys = exact_fp8_operands(case.index_q, cache)
     want = reference.index_block_scores(exact_q, exact_keys, case.batch, shape)
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), finite)
@@ -359,9 +364,7 @@ def test_fp8_prefill_index_score_kernel_matches_the_reference(case_name, hi, hki
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp + 2)
     cache = fp8_pages(case.index_key_cache)
     got = index_scores_prefill.prefill_index_block_scores(case.index_q, cache, case.batch, shape)
-    q8, q_scales = quantize_rows(case.index_q)
-    exact_q = q8.double() * q_scales.double()[..., None]
-    exact_keys = cache.values.double() * cache.scales.double()[..., None]
+    exact_q, exact_keys = exact_fp8_operands(case.index_q, cache)
     want = reference.index_block_scores(exact_q, exact_keys, case.batch, shape)
     magnitudes = reference.index_block_scores(exact_q.abs(), exact_keys.abs(), case.batch, shape)
     finite = torch.isfinite(want)
