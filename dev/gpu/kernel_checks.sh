@@ -5,8 +5,10 @@
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
-#     [prefill_1m] [peers] [long]
+#     [prefill_1m] [peers] [long] [host]
 # (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
+# Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
+# times another process on the GPU would skew); the group takes as long as its slowest check.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?run on the GPU machine: \$OUT is the folder a device call brings back}"
@@ -23,12 +25,10 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc, $(grep -E 'passed|failed|ERROR SUMMARY|^total|report:' "$out/$name.log" | tail -1)"
-  tar czf "$OUT/kernel_checks.tgz" -C /tmp kernel_checks
 }
 
-[ $# -gt 0 ] || set -- tests memcheck topk
-for check in "$@"; do
-  case $check in
+check() {  # NAME: run one named check
+  case $1 in
     tests) run pytest_cute 300 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
     dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
@@ -42,7 +42,16 @@ for check in "$@"; do
     peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
     long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
-    *) echo "unknown check '$check' (tests dense memcheck racecheck topk sparse index prefill prefill_1m peers" \
-      "long)" >&2; exit 2 ;;
+    host) run bench_host_overhead 120 python3 kernels/bench/bench_host_overhead.py ;;
+    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m peers" \
+      "long host)" >&2; return 2 ;;
   esac
+}
+
+[ $# -gt 0 ] || set -- tests memcheck topk
+for group in "$@"; do
+  IFS=+ read -ra together <<< "$group"
+  for name in "${together[@]}"; do check "$name" & done
+  wait
+  tar czf "$OUT/kernel_checks.tgz" -C /tmp kernel_checks
 done
