@@ -107,7 +107,7 @@ def test_fp8_kernels_round_as_the_reference_in_their_ptx(kernel_cls, params, sm9
         (TopkBlocksKernel, TopkBlocksParams(16, 1, 0, row_threads=512)),
         (TopkBlocksKernel, TopkBlocksParams(16, 1, 0, row_threads=32)),
         (SparseAttentionKernel, SparseAttentionParams(64, 4, 4, 128, split=True)),
-        (CombineKernel, CombineParams(64, 128)),
+        (CombineKernel, CombineParams(64, 128, 32)),
     ],
     ids=["index_scores", "index_scores_fp8", "topk_cta", "topk_warp", "sparse_attention", "combine"],
 )
@@ -173,9 +173,9 @@ def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
     compiles_and_caches(PrefillAttentionKernel, PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
 
 
-@pytest.mark.parametrize("hq, d", [(64, 128), (8, 32)])
-def test_combine_kernel_compiles_for_sm90a(hq, d, sm90a):
-    compiles_and_caches(CombineKernel, CombineParams(hq, d), sm90a)
+@pytest.mark.parametrize("hq, d, splits", [(64, 128, 32), (64, 128, 2), (8, 32, 64)])
+def test_combine_kernel_compiles_for_sm90a(hq, d, splits, sm90a):
+    compiles_and_caches(CombineKernel, CombineParams(hq, d, splits), sm90a)
 
 
 TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, the demo, init + local variants
@@ -192,16 +192,16 @@ def test_topk_kernel_compiles_with_a_warp_or_a_large_cta_per_row(row_threads, sm
 
 
 def test_kernel_cache_replaces_an_unreadable_file(sm90a):
-    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32), sm90a)
+    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32, 2), sm90a)
     cached.write_bytes(b"not an object file")
-    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32), sm90a)
+    cached = compiles_and_caches(CombineKernel, CombineParams(8, 32, 2), sm90a)
     assert cached.stat().st_size > 1000
 
 
 def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
     """The compiled function checks its tensors against kernels/cute/fake.py before it touches the GPU: a
     base address off the 16-byte alignment partial_out declares is a ValueError, compiled and loaded."""
-    params = CombineParams(8, 32)
+    params = CombineParams(8, 32, 2)
     misaligned = torch.zeros(2 * 3 * 8 * 32 + 1)[1:].view(2, 3, 8, 32)
     lse, out = torch.zeros(2, 3, 8), torch.zeros(3, 8, 32, dtype=torch.bfloat16)
     compile_kernel = compiled_kernel.__wrapped__

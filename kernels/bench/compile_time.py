@@ -38,7 +38,7 @@ VARIANTS = [
         PrefillAttentionKernel,
         PrefillAttentionParams(S.num_q_heads, S.num_kv_heads, S.num_index_heads, S.head_dim, S.topk_blocks),
     ),
-    (CombineKernel, CombineParams(S.num_q_heads, S.head_dim)),
+    (CombineKernel, CombineParams(S.num_q_heads, S.head_dim, 32)),
 ]
 
 

@@ -2,7 +2,11 @@
 
 out[t, g] = sum_s w_s o_s[t, g] / sum_s w_s with w_s = exp(lse_s[t, g] - max_s lse_s[t, g]);
 splits that saw no key have lse = -inf and weight 0. One CTA per (token, query head), one thread
-per output element of the head dim. combine_splits launches it (for sparse_attn.py's launcher).
+per output element of the head dim. The split count is a compile-time constant (a kernel per count
+sparse_attn.py's split-K chooses: a few), so both loops unroll fully and every load of a thread is in
+flight at once: a merge costs two L2 round trips (the log-sum-exps, then nothing but the partials, whose
+loads do not wait on them) where a loop over a run-time count waited once per group of loads.
+combine_splits launches it (for sparse_attn.py's launcher).
 """
 
 import functools
@@ -22,13 +26,11 @@ if TYPE_CHECKING:
     import tvm_ffi
 
 
-SPLITS_IN_FLIGHT = 8  # partial loads a thread issues before it waits on the first
-
-
 @dataclass(frozen=True)
 class CombineParams:
     num_q_heads: int  # Hq
     head_dim: int  # D: threads per CTA
+    splits: int  # S: the partials each output merges
 
 
 class CombineKernel:
@@ -62,19 +64,18 @@ class CombineKernel:
         wait_for_previous_kernel()  # before any global memory access (pdl.py)
         d, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
-        num_splits = cute.size(partial_lse, mode=[0])
+        lse = cute.make_rmem_tensor((self.p.splits,), cutlass.Float32)
+        for s in cutlass.range(self.p.splits, unroll_full=True):
+            lse[s] = partial_lse[s, token, head]
         lse_max = -cutlass.Float32.inf
-        # Branch-free and unrolled, so each thread has SPLITS_IN_FLIGHT loads outstanding: the partials sit in L2,
-        # and one load per split in turn (behind a branch on its lse) made a single sequence's merge of 32 splits
-        # take 7 us. An empty split (lse -inf, zero partial) weighs exp(-inf) = 0.
-        for s in cutlass.range(num_splits, unroll=SPLITS_IN_FLIGHT):
-            lse_max = cute.arch.fmax(lse_max, partial_lse[s, token, head])
+        for s in cutlass.range(self.p.splits, unroll_full=True):
+            lse_max = cute.arch.fmax(lse_max, lse[s])
         if lse_max == -cutlass.Float32.inf:
             lse_max = cutlass.Float32(0.0)
         total = cutlass.Float32(0.0)
         acc = cutlass.Float32(0.0)
-        for s in cutlass.range(num_splits, unroll=SPLITS_IN_FLIGHT):
-            weight = cute.math.exp(partial_lse[s, token, head] - lse_max, fastmath=True)
+        for s in cutlass.range(self.p.splits, unroll_full=True):  # an empty split (lse -inf, zero partial) weighs 0
+            weight = cute.math.exp(lse[s] - lse_max, fastmath=True)
             total += weight
             acc += weight * partial_out[s, token, head, d]
         result = cutlass.Float32(0.0)  # a token that selected nothing (CUDA-graph padding) gets zeros
@@ -85,10 +86,10 @@ class CombineKernel:
 
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
-    _, _, num_q_heads, head_dim = partial_out.shape
-    _kernel(num_q_heads, head_dim)(partial_out, partial_lse, out)
+    splits, _, num_q_heads, head_dim = partial_out.shape
+    _kernel(num_q_heads, head_dim, splits)(partial_out, partial_lse, out)
 
 
 @functools.cache
-def _kernel(num_q_heads: int, head_dim: int) -> "tvm_ffi.Function":
-    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim))
+def _kernel(num_q_heads: int, head_dim: int, splits: int) -> "tvm_ffi.Function":
+    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim, splits))
