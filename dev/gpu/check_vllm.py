@@ -13,6 +13,7 @@ vLLM's requirements are met by what is installed. Exit status 1 if any check FAI
 """
 
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -55,8 +56,14 @@ def summary():
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo's kernels package
-from msa_kernels.bench.timing import timed  # noqa: E402
+# The repository's timing helper by its path: this runs right after the kit's install, before the plugin (and its
+# msa_kernels package) is installed.
+_timing_spec = importlib.util.spec_from_file_location(
+    "msa_timing", Path(__file__).resolve().parents[2] / "kernels" / "bench" / "timing.py"
+)
+_timing = importlib.util.module_from_spec(_timing_spec)
+_timing_spec.loader.exec_module(_timing)
+timed = _timing.timed
 
 print(
     f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
