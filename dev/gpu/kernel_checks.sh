@@ -5,7 +5,7 @@
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
-#     [prefill_1m] [peers] [long] [host]
+#     [prefill_1m] [peers] [long] [host] [profile_prefill]
 # (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
 # Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
@@ -43,8 +43,14 @@ check() {  # NAME: run one named check
     long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
     host) run bench_host_overhead 120 python3 kernels/bench/bench_host_overhead.py ;;
+    # Nsight Compute on the prefill index-score kernel at 32K: bench_prefill_index.py times the bf16 kernel with
+    # 6 launches, then the FP8 one: --launch-skip 5 profiles the last bf16 launch and the first FP8 one.
+    profile_prefill) run ncu_prefill_index 300 ncu --kernel-name regex:PrefillIndexScore --launch-skip 5 \
+      --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section InstructionStats python3 kernels/bench/bench_prefill_index.py --contexts 32768 ;;
     *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m peers" \
-      "long host)" >&2; return 2 ;;
+      "long host profile_prefill)" >&2; return 2 ;;
   esac
 }
 
