@@ -279,6 +279,10 @@ class PrefillIndexScoreKernel:
                     row_scale[r] = index_q_scales[first_token + score_coords[r, 0][0], head]
         cols = cute.size(score_coords, mode=[1])
         key_scale = cute.make_rmem_tensor((cols,), f32)  # FP8: the scales of this thread's key columns
+        if cutlass.const_expr(p.fp8):
+            # The page of the next block, read a block ahead, so the scale loads of a block wait on one memory
+            # round trip (hidden behind the page's arrival and the MMAs) instead of two in a row.
+            next_page = block_table[request, 0]
 
         for block in cutlass.range(num_blocks, unroll=1):
             stage = block % p.stages
@@ -288,9 +292,10 @@ class PrefillIndexScoreKernel:
                 cute.arch.mbarrier_wait(empty + released, ((block - 1) // p.stages) % 2)
                 self.load_page(tma_atom, tKg, tKs, full, block_table[request, block - 1 + p.stages], released, tx_bytes)
             if cutlass.const_expr(p.fp8):  # loads in flight while the page arrives and the MMAs run
-                page = block_table[request, block]
+                page = next_page
                 for c in cutlass.range_constexpr(cols):
                     key_scale[c] = index_key_scales[page, score_coords[0, c][1], key_head]
+                next_page = block_table[request, cutlass.min(block + 1, num_blocks - 1)]
             cute.arch.mbarrier_wait(full + stage, (block // p.stages) % 2)
 
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((PREFILL_TILE_TOKENS, p.block_size)), f32)
