@@ -278,8 +278,8 @@ class PrefillIndexScoreKernel:
                 if cutlass.const_expr(p.fp8):
                     row_scale[r] = index_q_scales[first_token + score_coords[r, 0][0], head]
         cols = cute.size(score_coords, mode=[1])
-        key_scale = cute.make_rmem_tensor((cols,), f32)  # FP8: the scales of this thread's key columns
         if cutlass.const_expr(p.fp8):
+            key_scale = cute.make_rmem_tensor((cols,), f32)  # the scales of this thread's key columns
             # The page of the next block, read a block ahead, so the scale loads of a block wait on one memory
             # round trip (hidden behind the page's arrival and the MMAs) instead of two in a row.
             next_page = block_table[request, 0]
