@@ -108,7 +108,10 @@ def main():
         print(
             f"Python only (kernels no-ops, CPU tensors): {ops.describe(torch.device(device), torch.bfloat16, M3_SHAPE)}"
         )
-        print(f"TVM-FFI argument passing, 10 tensors: {ffi_call_seconds(10) * 1e6:.2f} us a call\n")
+        nop = nop_call(10, device)
+        run_groups(nop, args.warmup, args.group)
+        nop_seconds = run_groups(nop, args.calls, args.group)[0]
+        print(f"TVM-FFI argument passing, 10 tensors: {nop_seconds * 1e6:.2f} us a call\n")
     else:
         print(f"{torch.cuda.get_device_name()}: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}\n")
     calls = {name: layer_call(requests, device) for name, requests in CASES.items()}
@@ -131,21 +134,18 @@ def main():
 
 def piece_calls() -> dict:
     """No-argument calls of the pieces an eager layer call is made of, on the GPU."""
-    import tvm_ffi
-
     from msa_kernels.cute.combine import combine_splits
 
-    nop = tvm_ffi.get_global_func("testing.nop")
-    tensors = [torch.zeros(4, device="cuda") for _ in range(10)]
+    tensor = torch.zeros(4, device="cuda")
     splits, hq, d = 32, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim
     partial = torch.zeros(splits, 1, hq, d, device="cuda")
     lse, out = torch.zeros(splits, 1, hq, device="cuda"), torch.empty(1, hq, d, dtype=torch.bfloat16, device="cuda")
     return {
-        "TVM-FFI no-op call, 3 CUDA tensors": lambda: nop(*tensors[:3]),
-        "TVM-FFI no-op call, 10 CUDA tensors": lambda: nop(*tensors),
+        "TVM-FFI no-op call, 3 CUDA tensors": nop_call(3, "cuda"),
+        "TVM-FFI no-op call, 10 CUDA tensors": nop_call(10, "cuda"),
         "compiled CuTeDSL kernel call (combine, 3 tensors)": lambda: combine_splits(partial, lse, out),
         "torch.empty on the GPU (32 x 64 x 128 fp32)": lambda: torch.empty(splits, hq, d, device="cuda"),
-        "torch kernel launch (add_ on 4 floats)": lambda: tensors[0].add_(1),
+        "torch kernel launch (add_ on 4 floats)": lambda: tensor.add_(1),
     }
 
 
@@ -167,18 +167,13 @@ def kernels_as_no_ops() -> None:
     sparse_attn.num_sms = lambda device_index: 132  # the H200's
 
 
-def ffi_call_seconds(tensors: int, calls: int = 20000) -> float:
-    """Seconds of one TVM-FFI call that does nothing with this many torch tensors (tvm_ffi's testing.nop)."""
+def nop_call(tensors: int, device: str):
+    """A no-argument TVM-FFI call that does nothing (tvm_ffi's testing.nop) with this many torch tensors."""
     import tvm_ffi
 
     nop = tvm_ffi.get_global_func("testing.nop")
-    args = [torch.zeros(4) for _ in range(tensors)]
-    for _ in range(100):
-        nop(*args)
-    start = time.perf_counter()
-    for _ in range(calls):
-        nop(*args)
-    return (time.perf_counter() - start) / calls
+    args = [torch.zeros(4, device=device) for _ in range(tensors)]
+    return lambda: nop(*args)
 
 
 if __name__ == "__main__":
