@@ -180,7 +180,8 @@ def test_client_that_disconnects_gets_its_request_aborted(server, client):
         events = (line for line in r.iter_lines() if line.startswith(b"data:"))
         assert all(json.loads(next(events)[5:])["choices"] for _ in range(3))
     try:  # non-streaming: the client gives up before the answer (it has no bytes to send until the end)
-        answer = requests.post(f"{server.url}{COMPLETIONS}", json=long_request | {"prompt": "y " * 100}, timeout=2)
+        whole_context = long_request | {"prompt": "y " * 100, "max_tokens": 8000}  # ~50 s of decoding here
+        answer = requests.post(f"{server.url}{COMPLETIONS}", json=whole_context, timeout=2)
         pytest.fail(f"answered within the client's 2 s: {answer.status_code} {answer.text[:300]}")
     except requests.exceptions.ReadTimeout:
         pass
