@@ -143,14 +143,30 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize("split, gated", [(False, False), (True, False), (False, True)])
-def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, sm90a):
-    compiles_and_caches(SparseAttentionKernel, SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated), sm90a)
+@pytest.mark.parametrize("warps", [1, 4])
+def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, warps, sm90a):
+    if not sparse_attn.splits_tile_over(warps, d):
+        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
+    params = SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated, warps=warps)
+    compiles_and_caches(SparseAttentionKernel, params, sm90a)
+
+
+def test_warps_share_a_tile_in_whole_mma_tiles_of_64_column_head_dims():
+    assert sparse_attn.splits_tile_over(1, 32) and sparse_attn.splits_tile_over(4, 64)
+    assert sparse_attn.splits_tile_over(4, 128) and sparse_attn.splits_tile_over(2, 192)
+    assert not sparse_attn.splits_tile_over(4, 32)  # 8 output columns a warp
+    assert not sparse_attn.splits_tile_over(2, 96)  # 16-row Q copies of 32-column rows
+    assert not sparse_attn.splits_tile_over(8, 128)  # 8 keys of a 64-key tile a warp
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", [(64, 4, 4, 128), (8, 2, 4, 32)])
 @pytest.mark.parametrize("split", [False, True])
-def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
-    compiles_and_caches(SparseAttentionKernel, SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True), sm90a)
+@pytest.mark.parametrize("warps", [1, 4])
+def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, warps, sm90a):
+    if not sparse_attn.splits_tile_over(warps, d):
+        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
+    params = SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True, warps=warps)
+    compiles_and_caches(SparseAttentionKernel, params, sm90a)
 
 
 def prefill_attention_serves(hq: int, hi: int, d: int, block_size: int, dtype=torch.bfloat16) -> bool:
@@ -505,18 +521,24 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize(
     "kernel, max_union",
-    [("per_token", None), ("prefill", 10**6), ("prefill", 24)],
-    ids=["per_token", "prefill", "prefill_and_per_token"],
+    [("per_token", None), ("per_token_4_warps", None), ("prefill", 10**6), ("prefill", 24)],
+    ids=["per_token", "per_token_4_warps", "prefill", "prefill_and_per_token"],
 )
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
-    """prefill_and_per_token: tiles whose union has more than 24 blocks go to the per-token kernel."""
+    """per_token_4_warps: four warps share each K/V tile; prefill_and_per_token: tiles whose union has more than 24
+    blocks go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
+    warps = 4 if kernel == "per_token_4_warps" else 1
+    if not sparse_attn.splits_tile_over(warps, d):
+        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     shape, case = attention_case(case_name, hq, hkv, hi, d)
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
-    if kernel == "per_token":
-        got = sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
+    if kernel.startswith("per_token"):
+        got = sparse_attn.sparse_attention(
+            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, warps=warps
+        )
     else:
         got = sparse_attn_prefill.prefill_sparse_attention(
             case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union
@@ -569,6 +591,12 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     )
     assert got.data_ptr() == out.data_ptr()
     assert_close_to_float64(got, want)
+    if sparse_attn.splits_tile_over(4, d):  # four warps sharing each tile, widening e4m3 together
+        out.fill_(float("nan"))
+        sparse_attn.sparse_attention(
+            case.q, fp8, case.batch, selected, shape, case.scale, out=out, kv_scales=kv_scales, warps=4
+        )
+        assert_close_to_float64(out, want)
 
 
 @gpu

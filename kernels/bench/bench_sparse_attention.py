@@ -18,7 +18,7 @@ decode:  one query token per sequence; sparse attention (sparse_attn.sparse_atte
          (msa_kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
 fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes).
-splits:  the decode split-K sweep, the attention kernel and combine.py timed apart.
+splits:  the decode split-K sweep, the attention kernel and combine.py timed apart, for 1 and 4 warps per CTA.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
          Dp * tokens x keys of the visible blocks; MSA layer as for decode.
@@ -127,39 +127,45 @@ def decode_fp8_kv(bw):
 
 
 def decode_splits(bw):
-    """Split-K sweep at the longest context, batch 1 and the largest batch: what sparse_attn.num_splits chooses
-    against every split count (a split takes a run of the selection's K/V tiles), with the attention kernel and
-    combine.py's merge timed apart."""
+    """Split-K sweep at the longest context, batch 1 and the largest batch, for one warp per CTA and four sharing
+    each tile (SparseAttentionParams.warps): what sparse_attn.num_splits chooses against every split count (a split
+    takes a run of the selection's K/V tiles), with the attention kernel and combine.py's merge timed apart."""
     context = CONTEXTS[-1]
-    params = sparse_attn.SparseAttentionParams(
-        M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim
-    )
-    tiles = M3_SHAPE.topk_blocks * params.tiles_per_block
-    resident = sparse_attn.resident_ctas_per_sm(params) * torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in (1, DECODE_BATCHES[-1]):
-        chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
-        print(f"\n## decode split-K sweep ({context} x {batch}; {resident} resident CTAs; num_splits picks {chosen})\n")
-        print("| splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
-        print("|---|---|---|---|---|---|")
         pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
         nbytes = selected_kv_bytes(batch, context)
         inputs = sparse_attn.attention_inputs(q, kv, pb, selected)
         out = torch.empty_like(q)
-        for splits in sorted({1, 2, 4, 8, 16, 32, chosen}):
-            t = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits))
-            plan = sparse_attn._launch_plan(M3_SHAPE, batch, M3_SHAPE.topk_blocks, splits, False, False, 0)
-            lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
-            partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
-            target = partial if plan.splits > 1 else out.view(1, *q.shape)
-            q_, kv_, table, seq_lens, positions, selected_ = inputs
-            arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse, None)
-            t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
-            t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
-            mark = " (chosen)" if splits == chosen else ""
-            print(
-                f"| {plan.splits}{mark} | {plan.tiles_per_split} | {t * 1e6:.1f} | {t_kernel * 1e6:.1f} | "
-                f"{t_combine * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |"
+        print(f"\n## decode split-K sweep ({context} x {batch}; sparse_attn.WARPS = {sparse_attn.WARPS})\n")
+        print("| warps | splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
+        print("|---|---|---|---|---|---|---|")
+        for warps in (1, 4):
+            params = sparse_attn.SparseAttentionParams(
+                M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim, warps=warps
             )
+            tiles = M3_SHAPE.topk_blocks * params.tiles_per_block
+            resident = sparse_attn.resident_ctas_per_sm(params) * sms
+            chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
+            for splits in sorted({1, 2, 4, 8, 16, 32, chosen}):
+                t = graph_timed(
+                    lambda: sparse_attn.sparse_attention(
+                        q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits, warps=warps
+                    )
+                )
+                plan = sparse_attn._launch_plan(M3_SHAPE, batch, M3_SHAPE.topk_blocks, splits, False, False, warps, 0)
+                lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
+                partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
+                target = partial if plan.splits > 1 else out.view(1, *q.shape)
+                q_, kv_, table, seq_lens, positions, selected_ = inputs
+                arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse, None)
+                t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
+                t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
+                mark = f" (chosen; {resident} resident CTAs)" if splits == chosen else ""
+                print(
+                    f"| {warps} | {plan.splits}{mark} | {plan.tiles_per_split} | {t * 1e6:.1f} | "
+                    f"{t_kernel * 1e6:.1f} | {t_combine * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |"
+                )
 
 
 def prefill(flops):

@@ -14,13 +14,15 @@ leaves); the demo shape's prefill part attends on the per-token kernel (the pref
 does not serve 2 query heads an index head). Each case's selection then attends over an FP8 K/V cache of the
 same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike), and its index keys
 are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, the prefill part on the
-prefill kernel's e4m3 variant).
+prefill kernel's e4m3 variant). Where four warps can share a K/V tile (M3's head dim), the per-token kernel attends
+once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck).
 """
 
 import torch
 
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import M3_SHAPE as M3
+from msa_kernels.cute import sparse_attn
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
@@ -58,6 +60,18 @@ def main() -> None:
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
         print(f"{name}, FP8 K/V: cosine {cos:.5f}")
         assert cos >= 0.99
+        if sparse_attn.splits_tile_over(4, shape.head_dim):
+            caches = {"bf16": (case.kv_cache, case.kv_cache.float(), (1.0, 1.0)), "FP8": (fp8, fp8, kv_scales)}
+            for kv_name, (kv_cache, kv_reference, scales) in caches.items():
+                out = sparse_attn.sparse_attention(
+                    case.q, kv_cache, case.batch, want_sel, shape, case.scale, kv_scales=scales, warps=4
+                )
+                want = reference.sparse_attention(
+                    case.q.float(), kv_reference, case.batch, want_sel, shape, case.scale, kv_scales=scales
+                )
+                cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
+                print(f"{name}, four warps a tile, {kv_name} K/V: cosine {cos:.5f}")
+                assert cos >= 0.99
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
         got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)

@@ -5,7 +5,10 @@ the query heads that share an index head read the same blocks, so they form the 
 16-row tile (rows past the group are zero and never stored). One warp runs the tile with tensor
 core MMAs (mma.sync m16n8k16, bf16 in, fp32 accumulate): K/V tiles of `tile_keys` keys are
 gathered page by page with cp.async into a two-stage shared-memory ring, S = Q K^T, causal mask,
-online softmax, O += P V.
+online softmax, O += P V. With SparseAttentionParams.warps > 1 the warps of a CTA share each tile: each
+scores a slice of its keys, their row maxima meet in shared memory (every warp then rescales to the same
+running max), the probabilities go to shared memory, and each warp accumulates a slice of the output's
+columns (P V_slice); the row sums meet once at the end. Serving runs WARPS per CTA.
 
 Decode has few tokens, so the K/V tiles of a (token, index head)'s selected blocks are split across
 CTAs (a split takes a run of tiles, down to one tile of one block: a single sequence spreads its 16
@@ -72,6 +75,22 @@ class SparseAttentionParams:
     split: bool = False  # write fp32 partials + LSE for combine.py instead of the final output
     gated: bool = False  # skip the (token, index head) rows that `handled` marks (the prefill kernel's)
     fp8_kv: bool = False  # the K/V cache holds e4m3 values (read as Float8E4M3FN), scaled per tensor
+    warps: int = 1  # per CTA: each scores tile_keys / warps of a tile's keys and accumulates head_dim / warps of
+    # P V's columns, the probabilities shared through shared memory (1: one warp runs the tile in registers)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def slice_keys(self) -> int:
+        """Keys of a tile one warp scores."""
+        return self.tile_keys // self.warps
+
+    @property
+    def slice_dim(self) -> int:
+        """Output columns one warp accumulates."""
+        return self.head_dim // self.warps
 
     @property
     def heads_per_index_head(self) -> int:
@@ -87,13 +106,19 @@ class SparseAttentionParams:
         return self.block_size // self.tile_keys
 
 
-class SparseAttentionKernel:
-    threads = 32
+def splits_tile_over(warps: int, head_dim: int, tile_keys: int = 64) -> bool:
+    """Whether `warps` warps can share a tile: whole 16-wide MMA tiles of keys and of output columns each, and
+    (several warps) 64-column head dims, which their copies of the 16-row Q tile cover in whole rows."""
+    return tile_keys % (16 * warps) == 0 and head_dim % (16 * warps) == 0 and (warps == 1 or head_dim % 64 == 0)
 
+
+class SparseAttentionKernel:
     def __init__(self, params: SparseAttentionParams):
         assert self.can_implement(torch.bfloat16, params.head_dim, params.block_size)
         assert params.num_q_heads % params.num_index_heads == 0 and params.num_index_heads % params.num_kv_heads == 0
+        assert splits_tile_over(params.warps, params.head_dim, params.tile_keys)
         self.p = params
+        self.threads = params.threads
 
     @classmethod
     def can_implement(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -148,6 +173,9 @@ class SparseAttentionKernel:
             (p.tile_keys, p.head_dim, 2), stride=(p.head_dim, 1, p.tile_keys * p.head_dim)
         )  # row-major e4m3 stages
         staging_size = cute.cosize(staging_layout) if p.fp8_kv else 1
+        p_layout = swizzled_rows(p.tile_keys, ROWS)  # warps > 1: the tile's probabilities, the A of P V
+        shared_p = p.warps > 1
+        p_align = 1024 if shared_p else 4
 
         @cute.struct
         class Storage:
@@ -156,6 +184,8 @@ class SparseAttentionKernel:
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
             sK8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]  # fp8_kv: e4m3 staging
             sV8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(p_layout) if shared_p else 1], p_align]
+            sRowStat: cute.struct.MemRange[cutlass.Float32, p.warps * ROWS]  # each warp's row max, then row sum
 
         cp_async = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
         gmem_copy = row_copy(bf16, self.threads, p.head_dim, cp_async)
@@ -183,6 +213,7 @@ class SparseAttentionKernel:
             q_layout,
             kv_layout,
             staging_layout,
+            p_layout,
             gmem_copy,
             kv_copy,
             mma,
@@ -215,6 +246,7 @@ class SparseAttentionKernel:
         q_layout: cute.ComposedLayout,
         kv_layout: cute.ComposedLayout,
         staging_layout: cute.Layout,
+        p_layout: cute.ComposedLayout,
         gmem_copy: cute.TiledCopy,
         kv_copy: cute.TiledCopy,
         mma: cute.TiledMma,
@@ -262,6 +294,7 @@ class SparseAttentionKernel:
         sVt = cute.composition(
             sV, cute.make_layout((p.head_dim, p.tile_keys, 2), stride=(p.tile_keys, 1, p.tile_keys * p.head_dim))
         )
+        row_stat = storage.sRowStat.get_tensor(cute.make_layout((p.warps, ROWS), stride=(ROWS, 1)))
 
         # K/V tiles land in sK / sV, or (fp8_kv) in the e4m3 staging ring sK8 / sV8 that convert_tile widens.
         sK_load, sV_load = sK, sV
@@ -276,23 +309,36 @@ class SparseAttentionKernel:
         gQ = cute.local_tile(cute.domain_offset((head0, 0), q[token, None, None]), (ROWS, p.head_dim), (0, 0))
         copy_rows(gmem_copy, thr_copy, gQ, sQ, rows, (ROWS, p.head_dim))
 
-        thr_mma = mma.get_slice(tidx)
+        # Each warp scores its slice of a tile's keys (S = Q K_slice^T) and accumulates its slice of the
+        # output's columns (O_slice += P V_slice); one warp: the whole tile, P in registers.
+        warp_idx = 0  # the CTA's warp: one, or each with a slice of the tile
+        if cutlass.const_expr(p.warps > 1):
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        thr_mma = mma.get_slice(lane)
+        key_slice = lambda t: cute.local_tile(t, (p.slice_keys, p.head_dim), (warp_idx, 0))  # noqa: E731
+        dim_slice = lambda t: cute.local_tile(t, (p.slice_dim, p.tile_keys), (warp_idx, 0))  # noqa: E731
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.head_dim)), cutlass.Float32)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(key_slice(sK[None, None, 0])))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(dim_slice(sVt[None, None, 0])))
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.slice_dim)), cutlass.Float32)
         acc_o.fill(0.0)
         ldmatrix = lambda transpose: cute.make_copy_atom(  # noqa: E731
             warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), bf16
         )
-        copy_q = cute.make_tiled_copy_A(ldmatrix(False), mma).get_slice(tidx)
-        copy_k = cute.make_tiled_copy_B(ldmatrix(False), mma).get_slice(tidx)
-        copy_v = cute.make_tiled_copy_B(ldmatrix(True), mma).get_slice(tidx)
+        copy_q = cute.make_tiled_copy_A(ldmatrix(False), mma).get_slice(lane)
+        copy_k = cute.make_tiled_copy_B(ldmatrix(False), mma).get_slice(lane)
+        copy_v = cute.make_tiled_copy_B(ldmatrix(True), mma).get_slice(lane)
         tSsQ = copy_q.partition_S(sQ)
         tSrQ_view = copy_q.retile(tSrQ)
         tSrK_view = copy_k.retile(tSrK)
         tOrVt_view = copy_v.retile(tOrVt)
-        score_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.tile_keys))))
+        score_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.slice_keys))))
+        if cutlass.const_expr(p.warps > 1):
+            sP = storage.sP.get_tensor(p_layout)
+            tOrP_shared = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
+            tOsP = copy_q.partition_S(sP)
+            tOrP_shared_view = copy_q.retile(tOrP_shared)
 
         acc_o_mn = rows_cols(acc_o)
         row_max = cute.make_rmem_tensor((cute.size(acc_o_mn, mode=[0]),), cutlass.Float32)
@@ -320,15 +366,15 @@ class SparseAttentionKernel:
                 self._load_tile(tile_source, tile + 1, 1 - stage, sK_load, sV_load, kv_thr_copy, kv_copy, tile_coords)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_warp()
+            self._sync()
             if cutlass.const_expr(p.fp8_kv):
                 for staged, tile_smem in ((sK_load, sK), (sV_load, sV)):
                     self._widen(kv_thr_copy, staged[None, None, stage], tile_smem[None, None, stage])
-                cute.arch.sync_warp()
+                self._sync()
 
-            # S = Q K^T over the head dim
-            tSsK = copy_k.partition_S(sK[None, None, stage])
-            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.tile_keys)), cutlass.Float32)
+            # S = Q K^T over the head dim, for this warp's keys
+            tSsK = copy_k.partition_S(key_slice(sK[None, None, stage]))
+            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, p.slice_keys)), cutlass.Float32)
             acc_s.fill(0.0)
             for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
                 cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
@@ -338,41 +384,95 @@ class SparseAttentionKernel:
             # causal mask (only the query's own block has keys past it), online softmax
             block = selected[token, index_head, (tile0 + tile) // p.tiles_per_block]
             first_key = block * p.block_size + ((tile0 + tile) % p.tiles_per_block) * p.tile_keys
+            first_key += warp_idx * p.slice_keys
             acc_s_mn = rows_cols(acc_s)
             for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
                     if first_key + score_coords[r, c][1] > position:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
-                online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
+            if cutlass.const_expr(p.warps == 1):
+                for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+                    online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
+            else:
+                slice_max = cute.make_rmem_tensor(row_max.shape, cutlass.Float32)
+                for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+                    values = acc_s_mn[r, None].load()
+                    slice_max[r] = quad_reduce(
+                        values.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0), cute.arch.fmax
+                    )
+                tile_max = self._across_warps(slice_max, score_coords, row_stat, lane, warp_idx, cute.arch.fmax)
+                for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+                    online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2, tile_max[r])
+                    for c in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+                        row, key = score_coords[r, c]
+                        sP[row, warp_idx * p.slice_keys + key] = acc_s_mn[r, c].to(bf16)
+                self._sync()
 
-            # O += P V over the tile's keys
-            r_p = cute.make_fragment_like(acc_s, bf16)
-            r_p.store(acc_s.load().to(bf16))
-            tOrP = cute.make_tensor(r_p.iterator, as_a_operand(r_p.layout))
-            tOsVt = copy_v.partition_S(sVt[None, None, stage])
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.copy(copy_v, tOsVt[None, None, k], tOrVt_view[None, None, k])
-                cute.gemm(mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-            cute.arch.sync_warp()
+            # O += P V over the tile's keys, for this warp's columns
+            tOsVt = copy_v.partition_S(dim_slice(sVt[None, None, stage]))
+            if cutlass.const_expr(p.warps == 1):
+                r_p = cute.make_fragment_like(acc_s, bf16)
+                r_p.store(acc_s.load().to(bf16))
+                tOrP = cute.make_tensor(r_p.iterator, as_a_operand(r_p.layout))
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.copy(copy_v, tOsVt[None, None, k], tOrVt_view[None, None, k])
+                    cute.gemm(mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
+            else:
+                for k in cutlass.range_constexpr(cute.size(tOsP, mode=[2])):
+                    cute.copy(copy_q, tOsP[None, None, k], tOrP_shared_view[None, None, k])
+                    cute.copy(copy_v, tOsVt[None, None, k], tOrVt_view[None, None, k])
+                    cute.gemm(mma, acc_o, tOrP_shared[None, None, k], tOrVt[None, None, k], acc_o)
+            self._sync()  # every warp is done with this stage (and sP): the next tile refills them
 
-        # Epilogue: normalise, store rows of the group, and their log-sum-exp.
-        out_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.head_dim))))
+        # Epilogue: normalise, store this warp's columns of the group's rows, and their log-sum-exp.
         for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
-            total = quad_reduce(row_sum[r], lambda a, b: a + b)
+            row_sum[r] = quad_reduce(row_sum[r], lambda a, b: a + b)
+        if cutlass.const_expr(p.warps > 1):  # each warp summed its keys' probabilities against the same max
+            row_sum = self._across_warps(row_sum, score_coords, row_stat, lane, warp_idx, lambda a, b: a + b)
+        out_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.slice_dim))))
+        for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+            total = row_sum[r]
             inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
             row = out_coords[r, 0][0]
             if row < rows and skipped == 0:
                 for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                     value = acc_o_mn[r, c] * inv * v_scale
+                    column = warp_idx * p.slice_dim + out_coords[r, c][1]
                     if cutlass.const_expr(p.split):
-                        out[split, token, head0 + row, out_coords[r, c][1]] = value
+                        out[split, token, head0 + row, column] = value
                     else:
-                        out[split, token, head0 + row, out_coords[r, c][1]] = value.to(bf16)
-                if tidx % 4 == 0:
+                        out[split, token, head0 + row, column] = value.to(bf16)
+                if tidx % 4 == 0 and tidx < 32:  # warp 0, the row's first lane
                     lse = -cutlass.Float32.inf
                     if total > 0.0:
                         lse = row_max[r] * scale + cute.math.log(total, fastmath=True)
                     out_lse[split, token, head0 + row] = lse
+
+    @cute.jit
+    def _sync(self):
+        """Wait for every thread of the CTA (a warp, or all warps where they share the tile)."""
+        if cutlass.const_expr(self.p.warps == 1):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier()
+
+    @cute.jit
+    def _across_warps(self, per_row: cute.Tensor, coords: cute.Tensor, row_stat: cute.Tensor, lane, warp_idx, op):
+        """per_row: a value for each of this thread's accumulator rows (coords: the (rows, cols) coordinates),
+        the same over the row's quad; returns them reduced with `op` over all warps, the same in every warp.
+        Synchronises the CTA before and after reading row_stat, so the caller may reuse it right after."""
+        num_rows = cute.size(per_row)
+        for r in cutlass.range_constexpr(num_rows):
+            if lane % 4 == 0:
+                row_stat[warp_idx, coords[r, 0][0]] = per_row[r]
+        self._sync()
+        result = cute.make_rmem_tensor((num_rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            result[r] = row_stat[0, coords[r, 0][0]]
+            for w in cutlass.range_constexpr(1, self.p.warps):
+                result[r] = op(result[r], row_stat[w, coords[r, 0][0]])
+        self._sync()
+        return result
 
     @cute.jit
     def _widen(self, kv_thr_copy, staged: cute.Tensor, tile_smem: cute.Tensor):
@@ -407,11 +507,12 @@ class SparseAttentionKernel:
                     dst[None, i, None].fill(0)
 
 
+WARPS = 1  # per CTA in serving; 4 (splits_tile_over) is the candidate the decode split sweep measures against it
 SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM; each resident CTA also takes 1 KB of it
 
 
 def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
-    """CTAs of this kernel one SM runs at once: bounded by shared memory (one warp each, few registers)."""
+    """CTAs of this kernel one SM runs at once: bounded by shared memory (a few warps each, few registers)."""
 
     def aligned(nbytes: int) -> int:
         return -(-nbytes // 1024) * 1024
@@ -419,7 +520,11 @@ def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
     q_tile = aligned(ROWS * params.head_dim * 2)
     kv_ring = aligned(2 * params.tile_keys * params.head_dim * 2)  # two stages, bf16
     staging = 2 * aligned(2 * params.tile_keys * params.head_dim) if params.fp8_kv else 0  # two e4m3 stages, K and V
-    return max(1, min(32, SMEM_PER_SM // (q_tile + 2 * kv_ring + staging + 1024)))
+    p_tile = aligned(ROWS * params.tile_keys * 2) if params.warps > 1 else 0
+    row_stats = aligned(params.warps * ROWS * 4)
+    return max(
+        1, min(32, 64 // params.warps, SMEM_PER_SM // (q_tile + 2 * kv_ring + staging + p_tile + row_stats + 1024))
+    )
 
 
 def num_splits(num_tokens: int, params: SparseAttentionParams, tiles: int, resident_ctas: int) -> tuple[int, int]:
@@ -461,17 +566,19 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    warps: int = WARPS,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 queries, a bf16 or FP8
     (reference.is_fp8_kv, dequantised with kv_scales) K/V cache and int32 selections on Hopper: one token per
     CTA.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
-    tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block).
+    tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block). warps:
+    per CTA, sharing each tile (SparseAttentionParams.warps; splits_tile_over must accept it).
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     inputs = attention_inputs(q, kv_cache, batch, selected)
-    attend_per_token(inputs, batch, shape, selected.shape[-1], result, scale, splits, kv_scales=kv_scales)
+    attend_per_token(inputs, batch, shape, selected.shape[-1], result, scale, splits, kv_scales=kv_scales, warps=warps)
     return copy_into(result, out)
 
 
@@ -485,14 +592,15 @@ def attend_per_token(
     splits: int | None = None,
     handled: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    warps: int = WARPS,
 ) -> None:
     """The per-token kernel on attention_inputs into the contiguous result [T, Hq, D]: split-K merged by
     combine.py where splits > 1; with `handled` ([T, Hi] int32, the prefill kernel's flags) the gated
-    variant, which skips the rows already written. kv_scales: an FP8 cache's (k_scale, v_scale)."""
+    variant, which skips the rows already written. kv_scales: an FP8 cache's (k_scale, v_scale); warps: per CTA."""
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
     q, kv_cache, block_table, seq_lens, positions, selected = inputs
     fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
-    plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, fp8_kv, result.device.index or 0)
+    plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, fp8_kv, warps, result.device.index or 0)
     token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
     scales = (scale * kv_scales[0], kv_scales[1])  # k_scale folds into the softmax scale
     lse = torch.empty((plan.splits, num_tokens, hq), dtype=torch.float32, device=result.device)
@@ -512,7 +620,14 @@ class LaunchPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(
-    shape: MSAShape, num_tokens: int, topk: int, splits: int | None, gated: bool, fp8_kv: bool, device_index: int
+    shape: MSAShape,
+    num_tokens: int,
+    topk: int,
+    splits: int | None,
+    gated: bool,
+    fp8_kv: bool,
+    warps: int,
+    device_index: int,
 ) -> LaunchPlan:
     """The compiled kernel and split-K of a call (splits: the caller's, else num_splits'), worked out once
     per call shape: an eager layer call pays a cache lookup, not the search."""
@@ -524,6 +639,7 @@ def _launch_plan(
         shape.block_size,
         gated=gated,
         fp8_kv=fp8_kv,
+        warps=warps,
     )
     tiles = topk * params.tiles_per_block
     if splits is None:
