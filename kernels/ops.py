@@ -85,8 +85,10 @@ def _on_hopper(device: torch.device) -> bool:
 
 class Steps(NamedTuple):
     """The implementations of one phase's part: index scores, the same as top-k needs them (which reads each
-    row's visible blocks only, so an implementation may leave the others unwritten), top-k, sparse attention
-    (on a contiguous K/V cache; a strided one runs the reference)."""
+    row's visible blocks only, so an implementation may leave the others unwritten; the decode kernels write them
+    into the batch's scratch, PagedBatch.scratch, which top-k consumes before the next call: a prefill part's, up to
+    SCORE_BYTES, are freed after top-k as before), top-k, sparse attention (on a contiguous K/V cache; a strided one
+    runs the reference)."""
 
     index_scores: Callable
     selection_scores: Callable
@@ -121,10 +123,10 @@ def _steps(
         steps = steps._replace(index_scores=prefill, selection_scores=functools.partial(prefill, fill_hidden=False))
     elif index_scores.IndexScoreKernel.can_implement(*served):
         decode = index_scores.index_block_scores
-        steps = steps._replace(index_scores=decode, selection_scores=decode)
+        steps = steps._replace(index_scores=decode, selection_scores=functools.partial(decode, scratch=True))
     elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
         decode = index_scores_fp8.fp8_index_block_scores
-        steps = steps._replace(index_scores=decode, selection_scores=decode)
+        steps = steps._replace(index_scores=decode, selection_scores=functools.partial(decode, scratch=True))
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns

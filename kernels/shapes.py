@@ -217,6 +217,25 @@ class PagedBatch:
         positions = self.seq_lens[request] - q_lens + offset_in_query
         return torch.where(tokens < self.query_start_loc[-1], positions, -1).to(torch.int32)
 
+    def scratch(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A work tensor on the batch's device that one call on this batch fills and consumes before it returns (a
+        decode part's index scores on their way to top-k, split-K partials), made once and handed to every later
+        call that asks for the same name (which fixes the dtype) and size: the layers of a step share it as they
+        share the batch (on a GPU each allocation costs microseconds of host time per layer call). Calls on one
+        batch must run in one stream's order, as vLLM's layers do. One made during CUDA-graph capture is kept apart
+        from one made outside it, so a graph only holds memory of its own pool and eager calls never write a
+        graph's."""
+        key = (name, size, self._on_cuda and torch.cuda.is_current_stream_capturing())
+        cache = self.__dict__.setdefault("_scratch", {})
+        tensor = cache.get(key)
+        if tensor is None:
+            tensor = cache[key] = torch.empty(size, dtype=dtype, device=self.query_start_loc.device)
+        return tensor
+
+    @cached_property
+    def _on_cuda(self) -> bool:
+        return self.query_start_loc.is_cuda
+
     def request_tiles(self, tile_tokens: int) -> torch.Tensor:
         """[tiles, 3] int32 rows (request, first token, end token) on the batch's device: each request's
         query tokens cut into runs of at most tile_tokens consecutive tokens (the prefill kernels'

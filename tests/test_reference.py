@@ -181,6 +181,38 @@ def test_paged_batch_positions():
     assert batch.positions.tolist() == [9, 0, 1, 2]
 
 
+def _two_phase_batch(device: str = "cpu") -> PagedBatch:
+    """Two decode requests, then a 38-token prefill."""
+    return PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 2, 40], device=device),
+        seq_lens=torch.tensor([9, 300, 40], device=device),
+        block_table=torch.zeros(3, 3, dtype=torch.int32, device=device),
+    )
+
+
+def test_scratch_is_one_tensor_per_name_and_size_that_every_layer_of_the_step_shares():
+    batch = _two_phase_batch()
+    decode, _ = batch.split()
+    partials = decode.scratch("split outputs", (4, 2, 8, 16), torch.float32)
+    assert partials.shape == (4, 2, 8, 16) and partials.dtype == torch.float32
+    assert batch.split()[0].scratch("split outputs", (4, 2, 8, 16), torch.float32) is partials  # the next layer's
+    assert decode.scratch("split outputs", (2, 2, 8, 16), torch.float32) is not partials  # another split count
+    assert decode.scratch("block scores", (4, 2, 8, 16), torch.float32) is not partials
+    assert batch.scratch("split outputs", (4, 2, 8, 16), torch.float32) is not partials  # another batch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scratch_made_during_cuda_graph_capture_is_kept_apart_from_eager_scratch():
+    batch = _two_phase_batch("cuda")
+    eager = batch.scratch("block scores", (2, 4, 3), torch.float32)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = batch.scratch("block scores", (2, 4, 3), torch.float32)
+        assert batch.scratch("block scores", (2, 4, 3), torch.float32) is captured
+    assert captured is not eager and captured.data_ptr() != eager.data_ptr()
+    assert batch.scratch("block scores", (2, 4, 3), torch.float32) is eager
+
+
 def test_request_tiles_cover_each_request_in_runs_of_consecutive_tokens():
     # requests of 1, 0, 129, 128 and 5 query tokens
     batch = PagedBatch(

@@ -23,7 +23,7 @@ import torch
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.pdl import wait_for_previous_kernel
-from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.runtime import block_scores_out, compiled_kernel
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -168,15 +168,11 @@ class IndexScoreKernel:
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape, scratch: bool = False
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
-    cache on Hopper: every token on its own."""
-    out = torch.empty(
-        (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1]),
-        dtype=torch.float32,
-        device=index_q.device,
-    )
+    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out)."""
+    out = block_scores_out(batch, shape.num_index_heads, scratch)
     _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out)
     return out
 

@@ -603,11 +603,11 @@ def attend_per_token(
     plan = _launch_plan(shape, num_tokens, topk, splits, handled is not None, fp8_kv, warps, result.device.index or 0)
     token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
     scales = (scale * kv_scales[0], kv_scales[1])  # k_scale folds into the softmax scale
-    lse = torch.empty((plan.splits, num_tokens, hq), dtype=torch.float32, device=result.device)
+    lse = batch.scratch("split log-sum-exps", (plan.splits, num_tokens, hq), torch.float32)
     if plan.splits == 1:
         plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, handled, *scales, plan.tiles_per_split)
     else:
-        partial = torch.empty((plan.splits, num_tokens, hq, d), dtype=torch.float32, device=result.device)
+        partial = batch.scratch("split outputs", (plan.splits, num_tokens, hq, d), torch.float32)
         plan.kernel(*token_inputs, partial, lse, None, *scales, plan.tiles_per_split)
         combine_splits(partial, lse, result)
 

@@ -450,7 +450,7 @@ def prefill_sparse_attention(
         max_union = round(MAX_UNION * params.tokens_per_tile * topk)
     inputs = attention_inputs(q, kv_cache, batch, selected)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    handled = torch.empty((num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
+    handled = batch.scratch("handled rows", (num_tokens, shape.num_index_heads), torch.int32)
     compiled_kernel(PrefillAttentionKernel, params)(
         *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
     )
