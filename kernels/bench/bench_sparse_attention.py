@@ -21,7 +21,9 @@ fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selection
 splits:  the decode split-K sweep, the attention kernel and combine.py timed apart, for 1 and 4 warps per CTA.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
-         Dp * tokens x keys of the visible blocks; MSA layer as for decode.
+         Dp * tokens x keys of the visible blocks; MSA layer as for decode. "4 warps": the sparse attention
+         with the tiles the prefill kernel leaves (most, on random selections) on the per-token kernel with
+         four warps a CTA.
 """
 
 import argparse
@@ -171,14 +173,17 @@ def decode_splits(bw):
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
     print(
-        "| tokens | sparse attn ms | TFLOP/s | % matmul | index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
-        "| sparse attn vs dense | MSA layer vs dense |"
+        "| tokens | sparse attn ms | TFLOP/s | % matmul | 4 warps: ms | % matmul | index scores ms | TFLOP/s "
+        "| MSA layer ms | dense SDPA ms | sparse attn vs dense | MSA layer vs dense |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         pb, q, index_q, kv, index_keys, selected = paged_problem([(context, context)])
         t_sparse = timed(
             lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE), iters=3
+        )
+        t_warps = timed(  # the tiles the prefill kernel leaves on the per-token kernel with four warps a CTA
+            lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, warps=4), iters=3
         )
         # upper bound: whole blocks
         keys = (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
@@ -198,6 +203,7 @@ def prefill(flops):
         t_dense = timed(dense, iters=2)
         print(
             f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
+            f"{t_warps * 1e3:.2f} | {100 * fl / t_warps / flops:.0f}% | "
             f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | "
             f"{t_dense * 1e3:.2f} ({name}) | "
             f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |"

@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
-from msa_kernels.cute.sparse_attn import attend_per_token, attention_inputs
+from msa_kernels.cute.sparse_attn import WARPS, attend_per_token, attention_inputs
 from msa_kernels.cute.warp_mma import (
     acc_as_a_operand,
     acc_rows_cols,
@@ -434,13 +434,14 @@ def prefill_sparse_attention(
     out: torch.Tensor | None = None,
     max_union: int | None = None,
     stages: int = 1,
+    warps: int = WARPS,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
     each request's tiles of consecutive tokens, the gated per-token kernel on the tiles whose union of
     blocks exceeds max_union (default MAX_UNION x K per token; 10**6: none).
 
     kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA (benchmarks
-    sweep it and max_union).
+    sweep it and max_union); warps: the per-token kernel's per CTA (sparse_attn.SparseAttentionParams.warps).
     """
     num_tokens, topk = batch.num_tokens, selected.shape[-1]
     params = PrefillAttentionParams(
@@ -455,5 +456,5 @@ def prefill_sparse_attention(
         *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
     )
     if max_union < params.candidates:  # some tiles were left
-        attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled)
+        attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled, warps=warps)
     return copy_into(result, out)
