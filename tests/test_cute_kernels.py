@@ -520,28 +520,27 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize(
-    "kernel, max_union",
-    [("per_token", None), ("per_token_4_warps", None), ("prefill", 10**6), ("prefill", 24)],
-    ids=["per_token", "per_token_4_warps", "prefill", "prefill_and_per_token"],
+    "kernel, max_union, warps",
+    [("per_token", None, 1), ("per_token", None, 4), ("prefill", 10**6, 1), ("prefill", 24, 1), ("prefill", 24, 4)],
+    ids=["per_token", "per_token_4_warps", "prefill", "prefill_and_per_token", "prefill_and_per_token_4_warps"],
 )
-def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union):
-    """per_token_4_warps: four warps share each K/V tile; prefill_and_per_token: tiles whose union has more than 24
-    blocks go to the per-token kernel."""
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps):
+    """4_warps: four warps a CTA share each K/V tile of the per-token kernel; prefill_and_per_token: tiles whose
+    union has more than 24 blocks go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
-    warps = 4 if kernel == "per_token_4_warps" else 1
     if not sparse_attn.splits_tile_over(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     shape, case = attention_case(case_name, hq, hkv, hi, d)
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
-    if kernel.startswith("per_token"):
+    if kernel == "per_token":
         got = sparse_attn.sparse_attention(
             case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, warps=warps
         )
     else:
         got = sparse_attn_prefill.prefill_sparse_attention(
-            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union
+            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union, warps=warps
         )
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert_close_to_float64(got, want)
