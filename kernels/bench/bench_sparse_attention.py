@@ -17,7 +17,8 @@ decode:  one query token per sequence; sparse attention (sparse_attn.sparse_atte
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
          (msa_kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
-fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes).
+fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes), on 1 and 4
+         warps per CTA ("on 1 warp": against bf16 pages on one warp, serving's default).
 splits:  the decode split-K sweep, the attention kernel and combine.py timed apart, for 1 and 4 warps per CTA.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
@@ -108,24 +109,36 @@ def decode(bw, trained: dict):
 
 def decode_fp8_kv(bw):
     """The decode sparse attention over an FP8 K/V cache (e4m3 pages, per-tensor scales) against bf16 pages of the
-    same selections: time and the fraction of the copy bandwidth on the bytes each reads (FP8: half)."""
+    same selections, with one warp a CTA and with four sharing each tile (which widen the e4m3 tiles together):
+    time and the fraction of the copy bandwidth on the bytes each reads (FP8: half)."""
     print("\n## decode over an FP8 K/V cache (CUDA-graph times)\n")
-    print("| context | batch | bf16 K/V us | FP8 K/V us | FP8 / bf16 | FP8 GB/s | FP8 % copy bw |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| context | batch | warps | bf16 K/V us | FP8 K/V us | FP8 / bf16 | FP8 / bf16 on 1 warp | FP8 GB/s "
+        "| FP8 % copy bw |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     kv_scales = (0.05, 0.05)
     for context in CONTEXTS:
         for batch in DECODE_BATCHES:
             pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
             fp8_kv = reference.fp8_kv_cache(kv, kv_scales)
             nbytes = selected_kv_bytes(batch, context) // 2
-            t_bf16 = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE))
-            t_fp8 = graph_timed(
-                lambda: sparse_attn.sparse_attention(q, fp8_kv, pb, selected, M3_SHAPE, SCALE, kv_scales=kv_scales)
-            )
-            print(
-                f"| {context} | {batch} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | {t_fp8 / t_bf16:.2f} | "
-                f"{nbytes / t_fp8 / 1e9:.0f} | {100 * nbytes / t_fp8 / bw:.0f}% |"
-            )
+            t_bf16_one_warp = None
+            for warps in (1, 4):
+                t_bf16 = graph_timed(
+                    lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, warps=warps)
+                )
+                t_fp8 = graph_timed(
+                    lambda: sparse_attn.sparse_attention(
+                        q, fp8_kv, pb, selected, M3_SHAPE, SCALE, kv_scales=kv_scales, warps=warps
+                    )
+                )
+                t_bf16_one_warp = t_bf16_one_warp or t_bf16
+                print(
+                    f"| {context} | {batch} | {warps} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | "
+                    f"{t_fp8 / t_bf16:.2f} | {t_fp8 / t_bf16_one_warp:.2f} | {nbytes / t_fp8 / 1e9:.0f} | "
+                    f"{100 * nbytes / t_fp8 / bw:.0f}% |"
+                )
 
 
 def decode_splits(bw):
