@@ -1,5 +1,6 @@
 """CuTeDSL kernels: compile every variant for sm_90a everywhere (CI has no GPU), match the reference on a GPU."""
 
+import functools
 import os
 from dataclasses import replace
 
@@ -58,6 +59,11 @@ def compiles_and_caches(kernel_cls, params, cache_dir):
 def test_index_score_kernels_compile_for_sm90a(hi, hki, dp, sm90a):
     compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp), sm90a)
     compiles_and_caches(PrefillIndexScoreKernel, PrefillIndexScoreParams(hi, hki, dp), sm90a)
+
+
+@pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
+def test_index_score_kernel_with_16_key_elements_a_lane_compiles_for_sm90a(hi, hki, dp, sm90a):
+    compiles_and_caches(IndexScoreKernel, IndexScoreParams(hi, hki, dp, lane_elems=16), sm90a)
 
 
 @pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
@@ -256,12 +262,18 @@ def index_score_shape(hi: int, hki: int, dp: int) -> MSAShape:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", CASES)
 @pytest.mark.parametrize("hi, hki, dp", INDEX_SCORE_PARAMS)
-@pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase):
+@pytest.mark.parametrize(
+    "phase, lane_elems", [("decode", 8), ("decode", 16), ("prefill", None)], ids=["decode", "decode_16", "prefill"]
+)
+def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase, lane_elems):
+    """decode_16: the decode kernel with 16 key elements a lane (IndexScoreParams.lane_elems)."""
     shape = index_score_shape(hi, hki, dp)
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
-    launch = index_scores.index_block_scores if phase == "decode" else index_scores_prefill.prefill_index_block_scores
+    if phase == "decode":
+        launch = functools.partial(index_scores.index_block_scores, lane_elems=lane_elems)
+    else:
+        launch = index_scores_prefill.prefill_index_block_scores
     got = launch(case.index_q, case.index_key_cache, case.batch, shape)
     want = reference.index_block_scores(case.index_q.float(), case.index_key_cache.float(), case.batch, shape)
     finite = torch.isfinite(want)

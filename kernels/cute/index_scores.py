@@ -3,10 +3,11 @@
 Computes reference.index_block_scores: out[t, h, b] = max over visible keys j of block b of
 index_q[t, h] . index_key[j, h // (Hi / Hki)], -inf for blocks with no visible key.
 
-One CTA (128 threads) per (logical block, query token). Dp / VEC neighbouring lanes share a key row,
-each loading 16 contiguous bytes (VEC = 8 bf16 or 16 e4m3 elements), so a warp reads whole rows
-(coalesced); a thread keeps its VEC-wide slice of every index query in registers, the lanes of a row
-add their partial dots with shuffles, each thread keeps a running max per head over its rows, and the
+One CTA (128 threads) per (logical block, query token). Dp / lane_elems neighbouring lanes share a key
+row, each loading lane_elems contiguous elements (8: one 16-byte load; 16: two, and half the lanes a row, so
+a row's dot takes one shuffle stage fewer per head), so a warp reads whole rows (coalesced); a thread keeps
+its lane_elems-wide slice of every index query in registers, the lanes of a row add their partial dots with
+shuffles, each thread keeps a running max per head over its rows, and the
 CTA reduces the max with warp shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path:
 memory bound, each key page is read once per query token (90% of the copy bandwidth at M3's 128K x 32).
 index_block_scores launches it (FP8 index-key pages: index_scores_fp8.py).
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     import tvm_ffi
 
 WARP = 32
-VEC = 8  # bf16 key elements per 16-byte load of a key row slice
+LANE_ELEMS = 8  # in serving: key elements a lane loads from a row (one 16-byte load); 16 is the candidate
+# bench_index_scores.py measures against it
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class IndexScoreParams:
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
     block_size: int = 128  # B == threads per CTA
+    lane_elems: int = LANE_ELEMS  # bf16 elements of a key row one lane loads (a multiple of 8: 16-byte loads)
 
     @property
     def warps(self) -> int:
@@ -46,8 +49,8 @@ class IndexScoreParams:
 
     @property
     def lanes_per_row(self) -> int:
-        """Threads sharing one key row, each loading VEC contiguous elements."""
-        return self.index_head_dim // VEC
+        """Threads sharing one key row, each loading lane_elems contiguous elements."""
+        return self.index_head_dim // self.lane_elems
 
     @property
     def rows_per_step(self) -> int:
@@ -58,6 +61,7 @@ class IndexScoreKernel:
     def __init__(self, params: IndexScoreParams):
         assert params.num_index_heads % params.num_index_key_heads == 0
         assert self.can_implement(torch.bfloat16, torch.bfloat16, params.index_head_dim, params.block_size)
+        assert params.lane_elems % 8 == 0 and params.index_head_dim % params.lane_elems == 0
         self.p = params
 
     @classmethod
@@ -68,7 +72,7 @@ class IndexScoreKernel:
         key row in whole 16-byte loads of at most one warp."""
         if dtype != torch.bfloat16 or index_key_dtype != torch.bfloat16:
             return False
-        return block_size == 128 and index_head_dim % VEC == 0 and 32 % (index_head_dim // VEC) == 0
+        return block_size == 128 and index_head_dim % 8 == 0 and 32 % (index_head_dim // 8) == 0
 
     @staticmethod
     def fake_arguments(params: IndexScoreParams) -> tuple:
@@ -134,13 +138,15 @@ class IndexScoreKernel:
             for kh in cutlass.range_constexpr(p.num_index_key_heads):
                 queries = []
                 for g in cutlass.range_constexpr(heads_per_key):
-                    q_chunk = cute.zipped_divide(index_q[token, kh * heads_per_key + g, None], (VEC,))[(None, col)]
+                    q_chunk = cute.zipped_divide(index_q[token, kh * heads_per_key + g, None], (p.lane_elems,))[
+                        (None, col)
+                    ]
                     q_frag = cute.make_fragment_like(q_chunk)
                     cute.autovec_copy(q_chunk, q_frag)
                     queries.append(q_frag.load().to(cutlass.Float32))
                 for step in cutlass.range_constexpr(p.block_size // p.rows_per_step):
                     row = tidx // p.lanes_per_row + step * p.rows_per_step
-                    k_chunk = cute.zipped_divide(index_keys[page, row, kh, None], (VEC,))[(None, col)]
+                    k_chunk = cute.zipped_divide(index_keys[page, row, kh, None], (p.lane_elems,))[(None, col)]
                     k_frag = cute.make_fragment_like(k_chunk)
                     cute.autovec_copy(k_chunk, k_frag)
                     k = k_frag.load().to(cutlass.Float32)
@@ -168,16 +174,26 @@ class IndexScoreKernel:
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, batch: PagedBatch, shape: MSAShape, scratch: bool = False
+    index_q: torch.Tensor,
+    index_key_cache: torch.Tensor,
+    batch: PagedBatch,
+    shape: MSAShape,
+    scratch: bool = False,
+    lane_elems: int = LANE_ELEMS,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
-    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out)."""
+    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out);
+    lane_elems: IndexScoreParams.lane_elems (benchmarks sweep it)."""
     out = block_scores_out(batch, shape.num_index_heads, scratch)
-    _kernel(shape)(index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out)
+    _kernel(shape, lane_elems)(
+        index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out
+    )
     return out
 
 
 @functools.cache
-def _kernel(shape: MSAShape) -> "tvm_ffi.Function":
-    params = IndexScoreParams(shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size)
+def _kernel(shape: MSAShape, lane_elems: int) -> "tvm_ffi.Function":
+    params = IndexScoreParams(
+        shape.num_index_heads, shape.num_index_key_heads, shape.index_head_dim, shape.block_size, lane_elems
+    )
     return compiled_kernel(IndexScoreKernel, params)
