@@ -14,7 +14,9 @@ prefill_sparse_attention launches both.
 Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
 (default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
 memory), mask (unselected block, causal, keys past the request), online softmax, O += P V (wgmma,
-P from registers, V read transposed from shared memory). V rows past the request's length are
+P from registers, V read transposed from shared memory). K and V arrive on barriers of their own: a stage's
+K tile is refilled with the next block's as soon as every warp's S is done, so it loads during the softmax and
+P V; the V tile once P V is done. V rows past the request's length are
 zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the MMA.
 """
 
@@ -157,7 +159,8 @@ class PrefillAttentionKernel:
 
         @cute.struct
         class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival barrier per stage
+            full_k: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival of a stage's K tile
+            full_v: cute.struct.MemRange[cutlass.Int64, p.stages]  # and of its V tile
             candidate: cute.struct.MemRange[cutlass.Int32, p.candidates]  # the tokens' selections
             first_seen: cute.struct.MemRange[cutlass.Int32, p.candidates]  # 1: no earlier token has it
             union_block: cute.struct.MemRange[cutlass.Int32, p.candidates]  # distinct blocks, ascending
@@ -225,10 +228,11 @@ class PrefillAttentionKernel:
         num_tokens = tiles[tile, 2] - first
         kv_head = index_head * m // (p.num_q_heads // p.num_kv_heads)
         seq_len = seq_lens[request]
-        tx_bytes = 2 * p.block_size * p.head_dim * 2  # K + V tiles, bf16
+        tx_bytes = p.block_size * p.head_dim * 2  # a K or V tile, bf16
 
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        full = storage.full.data_ptr()
+        full_k = storage.full_k.data_ptr()
+        full_v = storage.full_v.data_ptr()
         candidate = storage.candidate.get_tensor(cute.make_layout(p.candidates))
         first_seen = storage.first_seen.get_tensor(cute.make_layout(p.candidates))
         union_block = storage.union_block.get_tensor(cute.make_layout(p.candidates))
@@ -243,7 +247,8 @@ class PrefillAttentionKernel:
             cpasync.prefetch_descriptor(tma_atom)
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(p.stages):
-                    cute.arch.mbarrier_init(full + s, 1)
+                    cute.arch.mbarrier_init(full_k + s, 1)
+                    cute.arch.mbarrier_init(full_v + s, 1)
             cute.arch.mbarrier_init_fence()
 
         # The union of the tokens' selections: each distinct block once, ascending, with the bit set
@@ -299,7 +304,9 @@ class PrefillAttentionKernel:
         if warp == 0:
             for s in cutlass.range_constexpr(p.stages):
                 if s < union_size:
-                    self.load_page(tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[s]], s, tx_bytes)
+                    page = block_table[request, union_block[s]]
+                    self.load_tile(tma_atom, tKVg, tKs, full_k, page, 0, s, tx_bytes)
+                    self.load_tile(tma_atom, tKVg, tVs, full_v, page, 1, s, tx_bytes)
 
         # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's
         # tokens are zero.
@@ -355,11 +362,16 @@ class PrefillAttentionKernel:
             block = union_block[u]
             tokens = union_tokens[u]
             first_key = block * p.block_size
-            cute.arch.mbarrier_wait(full + stage, (u // p.stages) % 2)
+            phase = (u // p.stages) % 2
+            cute.arch.mbarrier_wait(full_k + stage, phase)
 
-            # S = Q K^T over the head dim
+            # S = Q K^T over the head dim; then the stage's K tile is free for the block `stages` later
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
             warpgroup_gemm_nt(mma_qk, acc_s, tSrQ, tSrK, stage)
+            cute.arch.sync_threads()  # every warp's S is done
+            if warp == 0 and u + p.stages < union_size:
+                next_page = block_table[request, union_block[u + p.stages]]
+                self.load_tile(tma_atom, tKVg, tKs, full_k, next_page, 0, stage, tx_bytes)
 
             # Mask (block not selected by the row's token, keys after its position), online softmax.
             acc_s_mn = acc_rows_cols(acc_s)
@@ -382,6 +394,7 @@ class PrefillAttentionKernel:
 
             # V rows past the request (stale slots of its last page) are zeroed: P is 0 there, but
             # 0 * NaN is not.
+            cute.arch.mbarrier_wait(full_v + stage, phase)
             valid_keys = seq_len - first_key
             if valid_keys < p.block_size:
                 tVs_stage = thr_copy.partition_D(sV[None, None, stage])
@@ -399,11 +412,10 @@ class PrefillAttentionKernel:
                 cute.gemm(pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            cute.arch.sync_threads()  # every warp is done with this stage: refill it
+            cute.arch.sync_threads()  # every warp is done with this stage's V tile: refill it
             if warp == 0 and u + p.stages < union_size:
-                self.load_page(
-                    tma_atom, tKVg, tKs, tVs, full, block_table[request, union_block[u + p.stages]], stage, tx_bytes
-                )
+                next_page = block_table[request, union_block[u + p.stages]]
+                self.load_tile(tma_atom, tKVg, tVs, full_v, next_page, 1, stage, tx_bytes)
 
         # Epilogue: normalise and store the rows of the tile's tokens.
         for r in cutlass.range_constexpr(rows):
@@ -416,12 +428,12 @@ class PrefillAttentionKernel:
                     out[token, head, out_coords[r, c][1]] = (acc_o_mn[r, c] * inv).to(cutlass.BFloat16)
 
     @cute.jit
-    def load_page(self, tma_atom, tKVg, tKs, tVs, full, page, stage, tx_bytes: cutlass.Constexpr):
-        """TMA the K and V tiles of `page` into `stage`; arrival on that stage's barrier (warp 0 calls)."""
+    def load_tile(self, tma_atom, tKVg, tiles, full, page, kv: cutlass.Constexpr, stage, tx_bytes: cutlass.Constexpr):
+        """TMA the K (kv 0) or V (kv 1) tile of `page` into `stage` of `tiles`; arrival on that stage's barrier of
+        `full` (warp 0 calls)."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(full + stage, tx_bytes)
-        cute.copy(tma_atom, tKVg[None, 0, page], tKs[None, stage], tma_bar_ptr=full + stage)
-        cute.copy(tma_atom, tKVg[None, 1, page], tVs[None, stage], tma_bar_ptr=full + stage)
+        cute.copy(tma_atom, tKVg[None, kv, page], tiles[None, stage], tma_bar_ptr=full + stage)
 
 
 def prefill_sparse_attention(
