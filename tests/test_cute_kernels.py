@@ -191,8 +191,12 @@ def test_prefill_attention_serves_m3_and_refuses_what_it_cannot_tile():
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", PREFILL_PARAMS)
-def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
-    compiles_and_caches(PrefillAttentionKernel, PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, warpgroups, sm90a):
+    params = PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16, warpgroups=warpgroups)
+    if params.tokens_per_tile > sparse_attn_prefill.MAX_TILE_TOKENS:
+        pytest.skip(f"{params.tokens_per_tile} tokens a tile")
+    compiles_and_caches(PrefillAttentionKernel, params, sm90a)
 
 
 @pytest.mark.parametrize("hq, d, splits", [(64, 128, 32), (64, 128, 2), (8, 32, 64)])
@@ -532,17 +536,36 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 @pytest.mark.parametrize(
-    "kernel, max_union, warps",
-    [("per_token", None, 1), ("per_token", None, 4), ("prefill", 10**6, 1), ("prefill", 24, 1), ("prefill", 24, 4)],
-    ids=["per_token", "per_token_4_warps", "prefill", "prefill_and_per_token", "prefill_and_per_token_4_warps"],
+    "kernel, max_union, warps, warpgroups",
+    [
+        ("per_token", None, 1, 1),
+        ("per_token", None, 4, 1),
+        ("prefill", 10**6, 1, 1),
+        ("prefill", 10**6, 1, 2),
+        ("prefill", 24, 1, 1),
+        ("prefill", 24, 4, 1),
+        ("prefill", 48, 1, 2),
+    ],
+    ids=[
+        "per_token",
+        "per_token_4_warps",
+        "prefill",
+        "prefill_2_warpgroups",
+        "prefill_and_per_token",
+        "prefill_and_per_token_4_warps",
+        "prefill_2_warpgroups_and_per_token",
+    ],
 )
-def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps):
-    """4_warps: four warps a CTA share each K/V tile of the per-token kernel; prefill_and_per_token: tiles whose
-    union has more than 24 blocks go to the per-token kernel."""
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps, warpgroups):
+    """4_warps: four warps a CTA share each K/V tile of the per-token kernel; 2_warpgroups: two warpgroups a CTA
+    of the prefill kernel share each page; and_per_token: tiles whose union has more than 24 blocks (48 for two
+    warpgroups' tiles) go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
     if not sparse_attn.splits_tile_over(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
+    if warpgroups * (64 // (hq // hi)) > sparse_attn_prefill.MAX_TILE_TOKENS:
+        pytest.skip(f"{warpgroups} warpgroups of {64 // (hq // hi)} tokens pass the tile's token limit")
     shape, case = attention_case(case_name, hq, hkv, hi, d)
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
@@ -552,7 +575,16 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
         )
     else:
         got = sparse_attn_prefill.prefill_sparse_attention(
-            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, max_union=max_union, warps=warps
+            case.q,
+            case.kv_cache,
+            case.batch,
+            selected,
+            shape,
+            case.scale,
+            out=out,
+            max_union=max_union,
+            warps=warps,
+            warpgroups=warpgroups,
         )
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert_close_to_float64(got, want)

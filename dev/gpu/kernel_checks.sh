@@ -5,7 +5,7 @@
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
-#     [prefill_1m] [peers] [long] [host] [profile_prefill]
+#     [prefill_1m] [sweep_prefill] [peers] [long] [host] [profile_prefill]
 # (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
 # Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
@@ -39,6 +39,7 @@ check() {  # NAME: run one named check
     prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
     prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
       --new-tokens 16384 ;;
+    sweep_prefill) run sweep_prefill_attention 300 python3 kernels/bench/sweep_prefill_attention.py ;;
     peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
     long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
@@ -49,7 +50,7 @@ check() {  # NAME: run one named check
       --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section InstructionStats python3 kernels/bench/bench_prefill_index.py --contexts 32768 ;;
-    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m peers" \
+    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m sweep_prefill peers" \
       "long host profile_prefill)" >&2; return 2 ;;
   esac
 }

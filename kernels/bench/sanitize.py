@@ -15,14 +15,16 @@ does not serve 2 query heads an index head). Each case's selection then attends 
 same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike), and its index keys
 are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, the prefill part on the
 prefill kernel's e4m3 variant). Where four warps can share a K/V tile (M3's head dim), the per-token kernel attends
-once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck).
+once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck), and
+where the prefill attention kernel serves the shape, it attends for every token on two warpgroups a CTA.
 """
 
 import torch
 
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import M3_SHAPE as M3
-from msa_kernels.cute import sparse_attn
+from msa_kernels.cute import sparse_attn, sparse_attn_prefill
+from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
@@ -44,6 +46,12 @@ CASES = {  # name: (shape, q_lens, seq_lens)
 }
 
 
+def _check(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want.flatten(), dim=0).item()
+    print(f"{label}: cosine {cos:.5f}")
+    assert cos >= 0.99
+
+
 def main() -> None:
     for name, (shape, q_lens, seq_lens) in CASES.items():
         case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=len(name))
@@ -53,25 +61,25 @@ def main() -> None:
         assert same and cos >= 0.99
         kv_scales = (0.5, 2.0)  # the same selection over an FP8 K/V cache (sparse_attn.py reads the e4m3 pages)
         fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
-        out = ops.sparse_attention(case.q, fp8, case.batch, want_sel, shape, case.scale, kv_scales=kv_scales)
-        want = reference.sparse_attention(
-            case.q.float(), fp8, case.batch, want_sel, shape, case.scale, kv_scales=kv_scales
-        )
-        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
-        print(f"{name}, FP8 K/V: cosine {cos:.5f}")
-        assert cos >= 0.99
+        caches = {"bf16": (case.kv_cache, case.kv_cache.float(), (1.0, 1.0)), "FP8": (fp8, fp8, kv_scales)}
+        want = {
+            kv_name: reference.sparse_attention(
+                case.q.float(), kv_reference, case.batch, want_sel, shape, case.scale, kv_scales=scales
+            )
+            for kv_name, (_, kv_reference, scales) in caches.items()
+        }
+        attend = (case.q, fp8, case.batch, want_sel, shape, case.scale)
+        _check(f"{name}, FP8 K/V", ops.sparse_attention(*attend, kv_scales=kv_scales), want["FP8"])
         if sparse_attn.splits_tile_over(4, shape.head_dim):
-            caches = {"bf16": (case.kv_cache, case.kv_cache.float(), (1.0, 1.0)), "FP8": (fp8, fp8, kv_scales)}
-            for kv_name, (kv_cache, kv_reference, scales) in caches.items():
-                out = sparse_attn.sparse_attention(
-                    case.q, kv_cache, case.batch, want_sel, shape, case.scale, kv_scales=scales, warps=4
-                )
-                want = reference.sparse_attention(
-                    case.q.float(), kv_reference, case.batch, want_sel, shape, case.scale, kv_scales=scales
-                )
-                cos = torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), dim=0).item()
-                print(f"{name}, four warps a tile, {kv_name} K/V: cosine {cos:.5f}")
-                assert cos >= 0.99
+            for kv_name, (kv_cache, _, scales) in caches.items():
+                attend = (case.q, kv_cache, case.batch, want_sel, shape, case.scale)
+                got = sparse_attn.sparse_attention(*attend, kv_scales=scales, warps=4)
+                _check(f"{name}, four warps a tile, {kv_name} K/V", got, want[kv_name])
+        heads = (shape.num_q_heads, shape.num_index_heads)
+        if PrefillAttentionKernel.can_implement(torch.bfloat16, *heads, shape.head_dim, shape.block_size):
+            attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
+            got = sparse_attn_prefill.prefill_sparse_attention(*attend, max_union=10**6, warpgroups=2)
+            _check(f"{name}, prefill kernel on two warpgroups", got, want["bf16"])
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
         got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)

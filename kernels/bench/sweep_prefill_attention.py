@@ -1,12 +1,13 @@
-"""Sweep of the prefill attention kernel's K/V stages per CTA and the adaptive union bound.
+"""Sweep of the prefill attention kernel's warpgroups and K/V stages per CTA and the adaptive union bound.
 
     python kernels/bench/sweep_prefill_attention.py   (on the GPU machine, CuTeDSL installed)
 
 Same problems as bench_prefill_attention.py (problems.prefill_problem: M3 shapes, one sequence;
 window 1 = neighbouring tokens select independently, window 16 = they mostly agree). For each: the
-per-token kernel's time, then per stage count (1, 2, 3) the prefill kernel alone (bound 10**6) and
-the adaptive mode with union bounds 44, 38, 32 and 24 blocks, each with its output cosine against
-the per-token kernel.
+per-token kernel's time on one warp a CTA and on four, then per warpgroup count (1: 4 tokens a tile, 2: 8
+sharing each page) and stage count (1, 2, 3; two warpgroups: 1, 2) the prefill kernel alone (bound 10**6) and
+the adaptive mode with union bounds of 11, 9.5, 8 and 6 blocks a token (44, 38, 32 and 24 for 4 tokens), each
+with its output cosine against the per-token kernel.
 """
 
 import functools
@@ -17,7 +18,7 @@ from msa_kernels.bench.problems import M3_SHAPE, SCALE, mean_union, prefill_prob
 from msa_kernels.bench.timing import timed
 from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
-TILE = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head
+TOKENS = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head  # a warpgroup's
 
 
 def main():
@@ -26,17 +27,29 @@ def main():
         problem = (q, kv, batch, selected, M3_SHAPE, SCALE)
         reference = sparse_attn.sparse_attention(*problem).float()
         t_ref = timed(lambda: sparse_attn.sparse_attention(*problem), iters=3)
-        print(context, window, f"union {mean_union(selected, TILE):.1f} per_token {t_ref * 1e3:.2f} ms", flush=True)
-        for stages in (1, 2, 3):
-            for bound in (10**6, 44, 38, 32, 24):
-                run = functools.partial(
-                    sparse_attn_prefill.prefill_sparse_attention, *problem, max_union=bound, stages=stages
-                )
-                cos = torch.nn.functional.cosine_similarity(run().float().flatten(), reference.flatten(), dim=0)
-                print(
-                    f"  stages {stages} max_union {bound}: {timed(run, iters=3) * 1e3:.2f} ms cos {cos.item():.5f}",
-                    flush=True,
-                )
+        t_warps = timed(lambda: sparse_attn.sparse_attention(*problem, warps=4), iters=3)
+        unions = ", ".join(f"{g} tokens {mean_union(selected, g):.1f}" for g in (TOKENS, 2 * TOKENS))
+        print(
+            f"{context} {window}: union {unions}; per_token {t_ref * 1e3:.2f} ms, on 4 warps {t_warps * 1e3:.2f} ms",
+            flush=True,
+        )
+        for warpgroups in (1, 2):
+            for stages in (1, 2, 3) if warpgroups == 1 else (1, 2):
+                for per_token in (None, 11, 9.5, 8, 6):
+                    bound = 10**6 if per_token is None else round(per_token * TOKENS * warpgroups)
+                    run = functools.partial(
+                        sparse_attn_prefill.prefill_sparse_attention,
+                        *problem,
+                        max_union=bound,
+                        stages=stages,
+                        warpgroups=warpgroups,
+                    )
+                    cos = torch.nn.functional.cosine_similarity(run().float().flatten(), reference.flatten(), dim=0)
+                    print(
+                        f"  warpgroups {warpgroups} stages {stages} max_union {bound}: "
+                        f"{timed(run, iters=3) * 1e3:.2f} ms cos {cos.item():.5f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

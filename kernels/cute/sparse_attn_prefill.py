@@ -1,13 +1,15 @@
 """CuTeDSL kernel (sm_90a): prefill sparse attention on warpgroup MMAs, K/V pages by TMA.
 
-Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA (one warpgroup)
-owns G consecutive query tokens of one request and one index head: its 64 MMA rows are the G tokens
-x the m = Hq / Hi query heads of that index head (G = 64 / m; 4 for MiniMax-M3). The tokens select
+Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA owns G consecutive query
+tokens of one request and one index head, in `warpgroups` warpgroups (1 or 2) of 64 MMA rows each: a
+warpgroup's G / warpgroups tokens x the m = Hq / Hi query heads of that index head (64 / m tokens a
+warpgroup; 4 for MiniMax-M3). The tokens select
 their blocks independently, so the CTA reads the union of their selections once, in block order,
 and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
 the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
 up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
-MMA rows: a tile whose union exceeds `max_union` blocks (default MAX_UNION x K a token) is left to
+MMA rows (two warpgroups share each page the CTA loads: twice the rows a page feeds where the G tokens
+share their blocks): a tile whose union exceeds `max_union` blocks (default MAX_UNION x K a token) is left to
 the per-token kernel (sparse_attn.py, gated on the `handled` flags this kernel writes);
 prefill_sparse_attention launches both.
 
@@ -41,9 +43,10 @@ from msa_kernels.cute.warp_mma import (
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
 
-ROWS = 64  # the warpgroup MMA's M: tokens per tile x query heads per index head
+ROWS = 64  # the warpgroup MMA's M: a warpgroup's tokens x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
-THREADS = 128
+WARPGROUP = 128  # threads
+MAX_TILE_TOKENS = 16  # a tile's tokens are bits of an int32 set (1 << tokens stays defined)
 LOG2_E = 1.4426950408889634
 
 
@@ -56,14 +59,23 @@ class PrefillAttentionParams:
     topk_blocks: int  # K: selection slots per (token, index head)
     block_size: int = 128  # B: tokens per block == per page
     stages: int = 1  # K/V pages per CTA: 1 lets two CTAs share an SM (one computes while the other loads)
+    warpgroups: int = 1  # per CTA, each with ROWS rows of its own tokens, all sharing every K/V page the CTA loads
 
     @property
     def heads_per_index_head(self) -> int:
         return self.num_q_heads // self.num_index_heads
 
     @property
-    def tokens_per_tile(self) -> int:
+    def tokens_per_warpgroup(self) -> int:
         return ROWS // self.heads_per_index_head
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.warpgroups * self.tokens_per_warpgroup
+
+    @property
+    def threads(self) -> int:
+        return self.warpgroups * WARPGROUP
 
     @property
     def candidates(self) -> int:
@@ -77,6 +89,7 @@ class PrefillAttentionKernel:
             torch.bfloat16, params.num_q_heads, params.num_index_heads, params.head_dim, params.block_size
         )
         assert params.num_index_heads % params.num_kv_heads == 0
+        assert params.tokens_per_tile <= MAX_TILE_TOKENS
         self.p = params
 
     @classmethod
@@ -129,7 +142,7 @@ class PrefillAttentionKernel:
         bf16 = cutlass.BFloat16
         # 128-byte swizzled K-major tiles (8 x 64 atoms): what TMA writes and wgmma reads.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-        q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim), (0, 1))
+        q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim, p.warpgroups), (0, 1, 2))
         kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, p.stages), (0, 1, 2))
         # One TMA descriptor over the whole cache, modes ordered (key, d, kv head, K|V, page): a
         # (B, D) box is one page's K or V of one head; head, K|V and page are picked in the kernel.
@@ -153,7 +166,7 @@ class PrefillAttentionKernel:
         chunks_per_row = p.head_dim // 8  # 16-byte chunks
         row_copy = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128),
-            cute.make_layout((THREADS // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1)),
+            cute.make_layout((WARPGROUP // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1)),
             cute.make_layout((1, 8)),
         )
 
@@ -190,7 +203,7 @@ class PrefillAttentionKernel:
             Storage,
         ).launch(
             grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
-            block=[THREADS, 1, 1],
+            block=[p.threads, 1, 1],
             smem=Storage.size_in_bytes(),
             stream=stream,
         )
@@ -219,10 +232,13 @@ class PrefillAttentionKernel:
     ):
         p = self.p
         f32 = cutlass.Float32
-        m, g_max, k_max = p.heads_per_index_head, p.tokens_per_tile, p.topk_blocks
+        m, k_max = p.heads_per_index_head, p.topk_blocks
         tidx, _, _ = cute.arch.thread_idx()
         tile, index_head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        group = warp // 4  # the warpgroup: tokens [group, group + 1) x tokens_per_warpgroup of the tile
+        wg_tidx = tidx % WARPGROUP
+        group_first_token = group * p.tokens_per_warpgroup
         request = tiles[tile, 0]
         first = tiles[tile, 1]
         num_tokens = tiles[tile, 2] - first
@@ -253,13 +269,13 @@ class PrefillAttentionKernel:
 
         # The union of the tokens' selections: each distinct block once, ascending, with the bit set
         # of the tokens that selected it.
-        for c in range(tidx, p.candidates, THREADS):
+        for c in range(tidx, p.candidates, p.threads):
             block = cutlass.Int32(-1)
             if c // k_max < num_tokens:
                 block = selected[first + c // k_max, index_head, c % k_max]
             candidate[c] = block
         cute.arch.sync_threads()
-        for c in range(tidx, p.candidates, THREADS):
+        for c in range(tidx, p.candidates, p.threads):
             block = candidate[c]
             seen = cutlass.Int32(0)
             if block >= 0:
@@ -278,9 +294,9 @@ class PrefillAttentionKernel:
         if union_size > max_union:
             done = 0
             union_size = 0
-        for g in range(tidx, num_tokens, THREADS):
+        for g in range(tidx, num_tokens, p.threads):
             handled[first + g, index_head] = done
-        for c in range(tidx, p.candidates, THREADS):
+        for c in range(tidx, p.candidates, p.threads):
             if first_seen[c] != 0:
                 block = candidate[c]
                 rank = cutlass.Int32(0)
@@ -310,19 +326,23 @@ class PrefillAttentionKernel:
 
         # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's
         # tokens are zero.
-        thr_copy = row_copy.get_slice(tidx)
+        # Each warpgroup copies its own rows.
+        thr_copy = row_copy.get_slice(wg_tidx)
         q_by_head = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 0, 2]))  # (Hq, T, D)
         gQ = cute.group_modes(
             cute.local_tile(
-                cute.domain_offset((index_head * m, first, 0), q_by_head), (m, g_max, p.head_dim), (0, 0, 0)
+                cute.domain_offset((index_head * m, first + group_first_token, 0), q_by_head),
+                (m, p.tokens_per_warpgroup, p.head_dim),
+                (0, 0, 0),
             ),
             0,
             2,
         )
-        tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
+        sQ_group = sQ[None, None, group]
+        tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ_group)
         tQc = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
         for i in cutlass.range_constexpr(cute.size(tQs, mode=[1])):
-            if tQc[0, i, 0][0] // m < num_tokens:
+            if group_first_token + tQc[0, i, 0][0] // m < num_tokens:
                 cute.copy(row_copy, tQg[None, i, None], tQs[None, i, None])
             else:
                 tQs[None, i, None].fill(0)
@@ -331,9 +351,9 @@ class PrefillAttentionKernel:
         cute.arch.fence_view_async_shared()  # generic-proxy writes, then read by wgmma (async proxy)
         cute.arch.sync_threads()
 
-        thr_qk = mma_qk.get_slice(tidx)
-        thr_pv = mma_pv.get_slice(tidx)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        thr_qk = mma_qk.get_slice(wg_tidx)
+        thr_pv = mma_pv.get_slice(wg_tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ_group))
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrVt = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, p.head_dim)), f32)
@@ -344,12 +364,12 @@ class PrefillAttentionKernel:
         rows = cute.size(acc_o_mn, mode=[0])
         row_max = cute.make_rmem_tensor((rows,), f32)
         row_sum = cute.make_rmem_tensor((rows,), f32)
-        row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)  # this thread's rows: token in the tile
+        row_token = cute.make_rmem_tensor((rows,), cutlass.Int32)  # this thread's rows: token in the tile (its bit)
         row_position = cute.make_rmem_tensor((rows,), cutlass.Int32)  # and its position (keys <= it)
         row_max.fill(-f32.inf)
         row_sum.fill(0.0)
         for r in cutlass.range_constexpr(rows):
-            row_token[r] = score_coords[r, 0][0] // m
+            row_token[r] = group_first_token + score_coords[r, 0][0] // m
             row_position[r] = -1
             if row_token[r] < num_tokens:
                 row_position[r] = token_position[first + row_token[r]]
@@ -392,11 +412,11 @@ class PrefillAttentionKernel:
             tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((ROWS, p.block_size)), cutlass.BFloat16)
             tOrP.store(cute.make_tensor(acc_s.iterator, acc_as_a_operand(acc_s.layout)).load().to(cutlass.BFloat16))
 
-            # V rows past the request (stale slots of its last page) are zeroed: P is 0 there, but
-            # 0 * NaN is not.
+            # V rows past the request (stale slots of its last page) are zeroed (by the first warpgroup): P is 0
+            # there, but 0 * NaN is not.
             cute.arch.mbarrier_wait(full_v + stage, phase)
             valid_keys = seq_len - first_key
-            if valid_keys < p.block_size:
+            if valid_keys < p.block_size and group == 0:
                 tVs_stage = thr_copy.partition_D(sV[None, None, stage])
                 for i in cutlass.range_constexpr(cute.size(tVs_stage, mode=[1])):
                     if tVc[0, i, 0][0] >= valid_keys:
@@ -447,17 +467,26 @@ def prefill_sparse_attention(
     max_union: int | None = None,
     stages: int = 1,
     warps: int = WARPS,
+    warpgroups: int = 1,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
     each request's tiles of consecutive tokens, the gated per-token kernel on the tiles whose union of
     blocks exceeds max_union (default MAX_UNION x K per token; 10**6: none).
 
-    kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA (benchmarks
-    sweep it and max_union); warps: the per-token kernel's per CTA (sparse_attn.SparseAttentionParams.warps).
+    kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA, warpgroups: per CTA
+    (PrefillAttentionParams; benchmarks sweep them and max_union); warps: the per-token kernel's per CTA
+    (sparse_attn.SparseAttentionParams.warps).
     """
     num_tokens, topk = batch.num_tokens, selected.shape[-1]
     params = PrefillAttentionParams(
-        shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, topk, shape.block_size, stages
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        shape.num_index_heads,
+        shape.head_dim,
+        topk,
+        shape.block_size,
+        stages,
+        warpgroups,
     )
     if max_union is None:
         max_union = round(MAX_UNION * params.tokens_per_tile * topk)
