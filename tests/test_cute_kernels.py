@@ -21,6 +21,7 @@ from msa_kernels.cute import (
     index_scores_fp8,
     index_scores_prefill,
     sparse_attn,
+    sparse_attn_by_block,
     sparse_attn_prefill,
     topk_blocks,
 )
@@ -31,6 +32,7 @@ from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScore
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
+from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel, BlockMajorParams, block_major_items
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
 from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
@@ -202,6 +204,50 @@ def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, warpgroups,
 @pytest.mark.parametrize("hq, d, splits", [(64, 128, 32), (64, 128, 2), (8, 32, 64)])
 def test_combine_kernel_compiles_for_sm90a(hq, d, splits, sm90a):
     compiles_and_caches(CombineKernel, CombineParams(hq, d, splits), sm90a)
+
+
+def test_combine_kernel_with_bf16_partials_compiles_for_sm90a(sm90a):
+    compiles_and_caches(CombineKernel, CombineParams(64, 128, 16, bf16_partials=True), sm90a)
+
+
+BY_BLOCK_PARAMS = [
+    p for p in ATTENTION_PARAMS if BlockMajorAttentionKernel.can_implement(torch.bfloat16, p[0], p[2], p[3], 128)
+]
+
+
+def test_block_major_attention_serves_m3_and_refuses_what_it_cannot_tile():
+    assert BY_BLOCK_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64)]  # m = 16 (D 128), 32 (D 64)
+    assert not BlockMajorAttentionKernel.can_implement(torch.bfloat16, 48, 4, 128, 128)  # m = 12 does not divide 64
+    assert not BlockMajorAttentionKernel.can_implement(torch.bfloat16, 32, 4, 64, 128)  # m = 8: half a 16-row step
+    assert not BlockMajorAttentionKernel.can_implement(torch.float16, 64, 4, 128, 128)
+
+
+@pytest.mark.parametrize("hq, hkv, hi, d", BY_BLOCK_PARAMS)
+def test_block_major_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
+    compiles_and_caches(BlockMajorAttentionKernel, BlockMajorParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
+
+
+@pytest.mark.parametrize("tokens_per_item", [1, 3, 32])
+def test_block_major_items_cover_every_selection_once_in_runs_of_one_block(tokens_per_item):
+    """Three requests of 20, 20 and 10 tokens, two index heads, 4 slots of 12 blocks, some empty (-1)."""
+    num_tokens, num_heads, k, max_blocks = 50, 2, 4, 12
+    g = torch.Generator().manual_seed(tokens_per_item)
+    selected = torch.stack([torch.randperm(max_blocks, generator=g)[:k] for _ in range(num_tokens * num_heads)])
+    selected = selected.view(num_tokens, num_heads, k).sort(-1).values.int()
+    selected[torch.rand(selected.shape, generator=g) < 0.2] = -1
+    token_requests = (torch.arange(num_tokens) // 20).int()
+    order, item_first, count = block_major_items(selected, token_requests, max_blocks, tokens_per_item)
+    flat, items = selected.reshape(-1), count.item()
+    covered = []
+    for w in range(items):
+        entries = order[item_first[w] : item_first[w + 1]].long()
+        assert 1 <= len(entries) <= tokens_per_item
+        tokens, heads = entries // (num_heads * k), (entries // k) % num_heads
+        assert len(set(zip(token_requests[tokens].tolist(), heads.tolist(), flat[entries].tolist()))) == 1
+        assert flat[entries[0]] >= 0 and (tokens.diff() > 0).all()  # one block; each token once, ascending
+        covered += entries.tolist()
+    assert sorted(covered) == (flat >= 0).nonzero().flatten().tolist()
+    assert (item_first[items:] == (flat >= 0).sum()).all()
 
 
 TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, the demo, init + local variants
@@ -545,6 +591,7 @@ ATTENTION_CASES = {
         ("prefill", 24, 1, 1),
         ("prefill", 24, 4, 1),
         ("prefill", 48, 1, 2),
+        ("by_block", None, 1, 1),
     ],
     ids=[
         "per_token",
@@ -554,6 +601,7 @@ ATTENTION_CASES = {
         "prefill_and_per_token",
         "prefill_and_per_token_4_warps",
         "prefill_2_warpgroups_and_per_token",
+        "by_block",
     ],
 )
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps, warpgroups):
@@ -562,6 +610,8 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     warpgroups' tiles) go to the per-token kernel."""
     if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
+    if kernel == "by_block" and (hq, hkv, hi, d) not in BY_BLOCK_PARAMS:
+        pytest.skip("the block-major kernel does not serve this shape")
     if not sparse_attn.splits_tile_over(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     if warpgroups * (64 // (hq // hi)) > sparse_attn_prefill.MAX_TILE_TOKENS:
@@ -572,6 +622,10 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     if kernel == "per_token":
         got = sparse_attn.sparse_attention(
             case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, warps=warps
+        )
+    elif kernel == "by_block":
+        got = sparse_attn_by_block.prefill_sparse_attention_by_block(
+            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out
         )
     else:
         got = sparse_attn_prefill.prefill_sparse_attention(

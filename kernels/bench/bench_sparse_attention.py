@@ -24,7 +24,7 @@ prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.pre
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
          Dp * tokens x keys of the visible blocks; MSA layer as for decode. "4 warps": the sparse attention
          with the tiles the prefill kernel leaves (most, on random selections) on the per-token kernel with
-         four warps a CTA.
+         four warps a CTA; "by block": sparse_attn_by_block.py (each page once for the tokens that chose it).
 """
 
 import argparse
@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
 from msa_kernels.bench.timing import ceilings, graph_timed, timed
-from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
+from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_by_block, sparse_attn_prefill
 from msa_kernels.cute.combine import combine_splits
 
 SECTIONS = ["decode", "fp8_kv", "splits", "prefill"]
@@ -186,10 +186,10 @@ def decode_splits(bw):
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
     print(
-        "| tokens | sparse attn ms | TFLOP/s | % matmul | 4 warps: ms | % matmul | index scores ms | TFLOP/s "
-        "| MSA layer ms | dense SDPA ms | sparse attn vs dense | MSA layer vs dense |"
+        "| tokens | sparse attn ms | TFLOP/s | % matmul | 4 warps: ms | % matmul | by block: ms | % matmul "
+        "| index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms | sparse attn vs dense | MSA layer vs dense |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         pb, q, index_q, kv, index_keys, selected = paged_problem([(context, context)])
         t_sparse = timed(
@@ -197,6 +197,10 @@ def prefill(flops):
         )
         t_warps = timed(  # the tiles the prefill kernel leaves on the per-token kernel with four warps a CTA
             lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, warps=4), iters=3
+        )
+        t_block = timed(
+            lambda: sparse_attn_by_block.prefill_sparse_attention_by_block(q, kv, pb, selected, M3_SHAPE, SCALE),
+            iters=3,
         )
         # upper bound: whole blocks
         keys = (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
@@ -217,6 +221,7 @@ def prefill(flops):
         print(
             f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
             f"{t_warps * 1e3:.2f} | {100 * fl / t_warps / flops:.0f}% | "
+            f"{t_block * 1e3:.2f} | {100 * fl / t_block / flops:.0f}% | "
             f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | "
             f"{t_dense * 1e3:.2f} ({name}) | "
             f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |"

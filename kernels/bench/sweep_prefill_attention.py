@@ -4,10 +4,10 @@
 
 Same problems as bench_prefill_attention.py (problems.prefill_problem: M3 shapes, one sequence;
 window 1 = neighbouring tokens select independently, window 16 = they mostly agree). For each: the
-per-token kernel's time on one warp a CTA and on four, then per warpgroup count (1: 4 tokens a tile, 2: 8
-sharing each page) and stage count (1, 2, 3; two warpgroups: 1, 2) the prefill kernel alone (bound 10**6) and
-the adaptive mode with union bounds of 11, 9.5, 8 and 6 blocks a token (44, 38, 32 and 24 for 4 tokens), each
-with its output cosine against the per-token kernel.
+per-token kernel's time on one warp a CTA and on four, the block-major kernel's (sparse_attn_by_block.py), then
+per warpgroup count (1: 4 tokens a tile, 2: 8 sharing each page) and stage count (1, 2, 3; two warpgroups: 1, 2)
+the prefill kernel alone (bound 10**6) and the adaptive mode with union bounds of 11, 9.5, 8 and 6 blocks a token
+(44, 38, 32 and 24 for 4 tokens), each with its output cosine against the per-token kernel.
 """
 
 import functools
@@ -16,7 +16,7 @@ import torch
 
 from msa_kernels.bench.problems import M3_SHAPE, SCALE, mean_union, prefill_problem
 from msa_kernels.bench.timing import timed
-from msa_kernels.cute import sparse_attn, sparse_attn_prefill
+from msa_kernels.cute import sparse_attn, sparse_attn_by_block, sparse_attn_prefill
 
 TOKENS = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head  # a warpgroup's
 
@@ -28,9 +28,13 @@ def main():
         reference = sparse_attn.sparse_attention(*problem).float()
         t_ref = timed(lambda: sparse_attn.sparse_attention(*problem), iters=3)
         t_warps = timed(lambda: sparse_attn.sparse_attention(*problem, warps=4), iters=3)
+        by_block = functools.partial(sparse_attn_by_block.prefill_sparse_attention_by_block, *problem)
+        cos = torch.nn.functional.cosine_similarity(by_block().float().flatten(), reference.flatten(), dim=0)
+        t_block = timed(by_block, iters=3)
         unions = ", ".join(f"{g} tokens {mean_union(selected, g):.1f}" for g in (TOKENS, 2 * TOKENS))
         print(
-            f"{context} {window}: union {unions}; per_token {t_ref * 1e3:.2f} ms, on 4 warps {t_warps * 1e3:.2f} ms",
+            f"{context} {window}: union {unions}; per_token {t_ref * 1e3:.2f} ms, on 4 warps {t_warps * 1e3:.2f} ms; "
+            f"by block {t_block * 1e3:.2f} ms cos {cos.item():.5f}",
             flush=True,
         )
         for warpgroups in (1, 2):

@@ -11,13 +11,18 @@ decode phase
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
                            blocks, one token per CTA (mma.sync), split-K over their K/V tiles; bf16 or
                            FP8 (e4m3) K/V pages (an FP8 cache's prefill tokens too)
-  combine.py               CombineKernel, combine_splits: merges those split-K partials
+  combine.py               CombineKernel, combine_splits: merges those split-K partials (and
+                           sparse_attn_by_block.py's partials of one block each)
 prefill phase
   index_scores_prefill.py  PrefillIndexScoreKernel, prefill_index_block_scores: the same scores on
                            64-token tiles of a request (TMA + warpgroup MMAs)
   sparse_attn_prefill.py   PrefillAttentionKernel, prefill_sparse_attention: tiles of consecutive tokens
                            read the union of their blocks once (TMA + warpgroup MMAs); the tiles it
                            leaves go to sparse_attn.py's gated variant (attend_per_token)
+  sparse_attn_by_block.py  BlockMajorAttentionKernel, prefill_sparse_attention_by_block: the loops turned
+                           around for selections that look random: a CTA attends every token that chose
+                           one page against it, partials merged by combine.py (benchmarked beside the
+                           above; serving runs the above)
 both phases
   topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (radix select,
                            a CTA per decode row, a warp per prefill row)

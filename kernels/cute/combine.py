@@ -1,12 +1,13 @@
-"""CuTeDSL kernel: merge the split-K partials of sparse_attention.py into the final output.
+"""CuTeDSL kernel: merge partial attention outputs into the final output: sparse_attn.py's split-K partials
+(fp32) and sparse_attn_by_block.py's partials of one block each (bf16, a selection slot each).
 
 out[t, g] = sum_s w_s o_s[t, g] / sum_s w_s with w_s = exp(lse_s[t, g] - max_s lse_s[t, g]);
-splits that saw no key have lse = -inf and weight 0. One CTA per (token, query head), one thread
-per output element of the head dim. The split count is a compile-time constant (a kernel per count
-sparse_attn.py's split-K chooses: a few), so both loops unroll fully and every load of a thread is in
-flight at once: a merge costs two L2 round trips (the log-sum-exps, then nothing but the partials, whose
-loads do not wait on them) where a loop over a run-time count waited once per group of loads.
-combine_splits launches it (for sparse_attn.py's launcher).
+partials that saw no key have lse = -inf and weight 0, whatever they hold (sparse_attn_by_block.py leaves
+the partials of unselected slots unwritten). One CTA per (token, query head), one thread per output element
+of the head dim. The partial count is a compile-time constant (a kernel per count: a few), so both loops
+unroll fully and every load of a thread is in flight at once: a merge costs two L2 round trips (the
+log-sum-exps, then nothing but the partials, whose loads do not wait on them) where a loop over a run-time
+count waited once per group of loads. combine_splits launches it.
 """
 
 import functools
@@ -31,6 +32,7 @@ class CombineParams:
     num_q_heads: int  # Hq
     head_dim: int  # D: threads per CTA
     splits: int  # S: the partials each output merges
+    bf16_partials: bool = False  # partials in bf16 (sparse_attn_by_block.py's), else fp32
 
 
 class CombineKernel:
@@ -40,7 +42,7 @@ class CombineKernel:
     @staticmethod
     def fake_arguments(params: CombineParams) -> tuple:
         return (
-            row_major(cutlass.Float32, 4, align=16),  # partial_out
+            row_major(cutlass.BFloat16 if params.bf16_partials else cutlass.Float32, 4, align=16),  # partial_out
             row_major(cutlass.Float32, 3),  # partial_lse
             row_major(cutlass.BFloat16, 3, align=16),  # out
             env_stream(),
@@ -49,7 +51,7 @@ class CombineKernel:
     @cute.jit
     def __call__(
         self,
-        partial_out: cute.Tensor,  # [S, T, Hq, D] fp32
+        partial_out: cute.Tensor,  # [S, T, Hq, D] fp32 or bf16
         partial_lse: cute.Tensor,  # [S, T, Hq] fp32
         out: cute.Tensor,  # [T, Hq, D] bf16
         stream: cuda.CUstream,
@@ -74,10 +76,12 @@ class CombineKernel:
             lse_max = cutlass.Float32(0.0)
         total = cutlass.Float32(0.0)
         acc = cutlass.Float32(0.0)
-        for s in cutlass.range(self.p.splits, unroll_full=True):  # an empty split (lse -inf, zero partial) weighs 0
+        for s in cutlass.range(self.p.splits, unroll_full=True):  # an empty split (lse -inf) weighs 0
             weight = cute.math.exp(lse[s] - lse_max, fastmath=True)
+            value = partial_out[s, token, head, d].to(cutlass.Float32)
             total += weight
-            acc += weight * partial_out[s, token, head, d]
+            if weight > 0.0:  # 0 x whatever an unwritten partial holds (NaN) stays out
+                acc += weight * value
         result = cutlass.Float32(0.0)  # a token that selected nothing (CUDA-graph padding) gets zeros
         if total > 0.0:
             result = acc / total
@@ -85,11 +89,12 @@ class CombineKernel:
 
 
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
+    """Merge partials [S, T, Hq, D] fp32 or bf16 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16
+    (contiguous)."""
     splits, _, num_q_heads, head_dim = partial_out.shape
-    _kernel(num_q_heads, head_dim, splits)(partial_out, partial_lse, out)
+    _kernel(num_q_heads, head_dim, splits, partial_out.dtype == torch.bfloat16)(partial_out, partial_lse, out)
 
 
 @functools.cache
-def _kernel(num_q_heads: int, head_dim: int, splits: int) -> "tvm_ffi.Function":
-    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim, splits))
+def _kernel(num_q_heads: int, head_dim: int, splits: int, bf16_partials: bool) -> "tvm_ffi.Function":
+    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim, splits, bf16_partials))
