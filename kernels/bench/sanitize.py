@@ -16,14 +16,16 @@ same values (the per-token kernel reading e4m3 pages, decode and prefill tokens 
 are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, the prefill part on the
 prefill kernel's e4m3 variant). Where four warps can share a K/V tile (M3's head dim), the per-token kernel attends
 once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck), and
-where the prefill attention kernel serves the shape, it attends for every token on two warpgroups a CTA.
+where the prefill attention kernel serves the shape, it attends for every token on two warpgroups a CTA, and
+where the block-major kernel does (sparse_attn_by_block.py), it too.
 """
 
 import torch
 
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import M3_SHAPE as M3
-from msa_kernels.cute import sparse_attn, sparse_attn_prefill
+from msa_kernels.cute import sparse_attn, sparse_attn_by_block, sparse_attn_prefill
+from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
@@ -80,6 +82,10 @@ def main() -> None:
             attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
             got = sparse_attn_prefill.prefill_sparse_attention(*attend, max_union=10**6, warpgroups=2)
             _check(f"{name}, prefill kernel on two warpgroups", got, want["bf16"])
+        if BlockMajorAttentionKernel.can_implement(torch.bfloat16, *heads, shape.head_dim, shape.block_size):
+            attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
+            got = sparse_attn_by_block.prefill_sparse_attention_by_block(*attend)
+            _check(f"{name}, block by block", got, want["bf16"])
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
         got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)
