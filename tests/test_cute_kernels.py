@@ -153,25 +153,25 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 @pytest.mark.parametrize("split, gated", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("warps", [1, 4])
 def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, warps, sm90a):
-    if not sparse_attn.splits_tile_over(warps, d):
+    if not sparse_attn.warps_can_share_tile(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     params = SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated, warps=warps)
     compiles_and_caches(SparseAttentionKernel, params, sm90a)
 
 
 def test_warps_share_a_tile_in_whole_mma_tiles_of_64_column_head_dims():
-    assert sparse_attn.splits_tile_over(1, 32) and sparse_attn.splits_tile_over(4, 64)
-    assert sparse_attn.splits_tile_over(4, 128) and sparse_attn.splits_tile_over(2, 192)
-    assert not sparse_attn.splits_tile_over(4, 32)  # 8 output columns a warp
-    assert not sparse_attn.splits_tile_over(2, 96)  # 16-row Q copies of 32-column rows
-    assert not sparse_attn.splits_tile_over(8, 128)  # 8 keys of a 64-key tile a warp
+    assert sparse_attn.warps_can_share_tile(1, 32) and sparse_attn.warps_can_share_tile(4, 64)
+    assert sparse_attn.warps_can_share_tile(4, 128) and sparse_attn.warps_can_share_tile(2, 192)
+    assert not sparse_attn.warps_can_share_tile(4, 32)  # 8 output columns a warp
+    assert not sparse_attn.warps_can_share_tile(2, 96)  # 16-row Q copies of 32-column rows
+    assert not sparse_attn.warps_can_share_tile(8, 128)  # 8 keys of a 64-key tile a warp
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", [(64, 4, 4, 128), (8, 2, 4, 32)])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("warps", [1, 4])
 def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, warps, sm90a):
-    if not sparse_attn.splits_tile_over(warps, d):
+    if not sparse_attn.warps_can_share_tile(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     params = SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True, warps=warps)
     compiles_and_caches(SparseAttentionKernel, params, sm90a)
@@ -612,7 +612,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
         pytest.skip("the prefill kernel does not serve this shape")
     if kernel == "by_block" and (hq, hkv, hi, d) not in BY_BLOCK_PARAMS:
         pytest.skip("the block-major kernel does not serve this shape")
-    if not sparse_attn.splits_tile_over(warps, d):
+    if not sparse_attn.warps_can_share_tile(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
     if warpgroups * (64 // (hq // hi)) > sparse_attn_prefill.MAX_TILE_TOKENS:
         pytest.skip(f"{warpgroups} warpgroups of {64 // (hq // hi)} tokens pass the tile's token limit")
@@ -688,7 +688,7 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     )
     assert got.data_ptr() == out.data_ptr()
     assert_close_to_float64(got, want)
-    if sparse_attn.splits_tile_over(4, d):  # four warps sharing each tile, widening e4m3 together
+    if sparse_attn.warps_can_share_tile(4, d):  # four warps sharing each tile, widening e4m3 together
         out.fill_(float("nan"))
         sparse_attn.sparse_attention(
             case.q, fp8, case.batch, selected, shape, case.scale, out=out, kv_scales=kv_scales, warps=4

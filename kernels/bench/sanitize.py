@@ -72,7 +72,7 @@ def main() -> None:
         }
         attend = (case.q, fp8, case.batch, want_sel, shape, case.scale)
         _check(f"{name}, FP8 K/V", ops.sparse_attention(*attend, kv_scales=kv_scales), want["FP8"])
-        if sparse_attn.splits_tile_over(4, shape.head_dim):
+        if sparse_attn.warps_can_share_tile(4, shape.head_dim):
             for kv_name, (kv_cache, _, scales) in caches.items():
                 attend = (case.q, kv_cache, case.batch, want_sel, shape, case.scale)
                 got = sparse_attn.sparse_attention(*attend, kv_scales=scales, warps=4)

@@ -106,7 +106,7 @@ class SparseAttentionParams:
         return self.block_size // self.tile_keys
 
 
-def splits_tile_over(warps: int, head_dim: int, tile_keys: int = 64) -> bool:
+def warps_can_share_tile(warps: int, head_dim: int, tile_keys: int = 64) -> bool:
     """Whether `warps` warps can share a tile: whole 16-wide MMA tiles of keys and of output columns each, and
     (several warps) 64-column head dims, which their copies of the 16-row Q tile cover in whole rows."""
     return tile_keys % (16 * warps) == 0 and head_dim % (16 * warps) == 0 and (warps == 1 or head_dim % 64 == 0)
@@ -116,7 +116,7 @@ class SparseAttentionKernel:
     def __init__(self, params: SparseAttentionParams):
         assert self.can_implement(torch.bfloat16, params.head_dim, params.block_size)
         assert params.num_q_heads % params.num_index_heads == 0 and params.num_index_heads % params.num_kv_heads == 0
-        assert splits_tile_over(params.warps, params.head_dim, params.tile_keys)
+        assert warps_can_share_tile(params.warps, params.head_dim, params.tile_keys)
         self.p = params
         self.threads = params.threads
 
@@ -507,7 +507,7 @@ class SparseAttentionKernel:
                     dst[None, i, None].fill(0)
 
 
-WARPS = 1  # per CTA in serving; 4 (splits_tile_over) is the candidate the decode split sweep measures against it
+WARPS = 1  # per CTA in serving; 4 (warps_can_share_tile) is the candidate the decode split sweep measures against it
 SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM; each resident CTA also takes 1 KB of it
 
 
@@ -574,7 +574,7 @@ def sparse_attention(
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
     tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block). warps:
-    per CTA, sharing each tile (SparseAttentionParams.warps; splits_tile_over must accept it).
+    per CTA, sharing each tile (SparseAttentionParams.warps; warps_can_share_tile must accept it).
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     inputs = attention_inputs(q, kv_cache, batch, selected)
