@@ -6,7 +6,7 @@
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
 #     [prefill_1m] [sweep_prefill] [peers] [long] [host] [profile_prefill]
-# (none named: tests memcheck topk, whose limits sum to 560 s: one device call; the others in later calls).
+# (none named: tests+dense+memcheck, within one device call; the others in later calls).
 # Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
 set -uo pipefail
@@ -29,7 +29,7 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
 
 check() {  # NAME: run one named check
   case $1 in
-    tests) run pytest_cute 300 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
+    tests) run pytest_cute 480 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
     dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
@@ -55,7 +55,7 @@ check() {  # NAME: run one named check
   esac
 }
 
-[ $# -gt 0 ] || set -- tests memcheck topk
+[ $# -gt 0 ] || set -- tests+dense+memcheck
 for group in "$@"; do
   IFS=+ read -ra together <<< "$group"
   for name in "${together[@]}"; do check "$name" & done
