@@ -33,6 +33,8 @@ shared
                            calls with torch tensors on torch's current stream, exported object files on
                            disk across processes; SM count, output copies
   warp_mma.py              MMA fragments, online softmax rows, tile copies, swizzles
+  warpgroup_attention.py   what the two prefill attention kernels share: their warpgroup MMAs, the K/V
+                           cache's TMA descriptor, query-row copies, P V, zeroing V past a request
   fp8_rows.py              e4m3 rounding of rows spread over lanes, bit for bit the reference's
   pdl.py                   programmatic dependent launch: the decode chain's kernels launch while the
                            one before finishes, and wait for it before touching memory

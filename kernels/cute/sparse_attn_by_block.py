@@ -29,21 +29,29 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from msa_kernels.cute.combine import combine_splits
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into, num_sms
 from msa_kernels.cute.sparse_attn import attention_inputs
-from msa_kernels.cute.warp_mma import acc_as_a_operand, acc_rows_cols, online_softmax_row, quad_reduce
+from msa_kernels.cute.warp_mma import acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt
+from msa_kernels.cute.warpgroup_attention import (
+    LOG2_E,
+    ROWS,
+    WARPGROUP,
+    attention_mmas,
+    gemm_pv,
+    kv_cache_tma,
+    probabilities,
+    query_row_copy,
+    smem_atom,
+    zero_rows_past,
+)
 from msa_kernels.shapes import MSAShape, PagedBatch
 
-ROWS = 64  # the warpgroup MMA's M: a group's tokens x query heads per index head
-WARPGROUP = 128  # threads: one warpgroup a CTA
-CTAS_PER_SM = 2  # shared memory (two Q stages and one page: ~97 KB) lets two share an SM
-LOG2_E = 1.4426950408889634
+CTAS_PER_SM = 2  # shared memory (two Q stages and one page: ~97 KB) lets two share an SM; one warpgroup each
 
 
 @dataclass(frozen=True)
@@ -126,34 +134,11 @@ class BlockMajorAttentionKernel:
     ):
         p = self.p
         bf16 = cutlass.BFloat16
-        # 128-byte swizzled K-major tiles (8 x 64 atoms): what TMA writes and wgmma reads.
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-        q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim, 2), (0, 1, 2))  # two groups' query rows
-        kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, 1), (0, 1, 2))  # one page
-        # One TMA descriptor over the whole cache, modes ordered (key, d, kv head, K|V, page).
-        kv_view = cute.make_tensor(kv_cache.iterator, cute.select(kv_cache.layout, mode=[2, 4, 3, 1, 0]))
-        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), kv_view, cute.select(kv_layout, mode=[0, 1]), (p.block_size, p.head_dim)
-        )
-        mma_qk = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
-            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (ROWS, p.block_size)
-        )
-        mma_pv = sm90_utils.make_trivial_tiled_mma(  # O = P V: P from registers, V^T (d contiguous)
-            bf16,
-            bf16,
-            OperandMajorMode.K,
-            OperandMajorMode.MN,
-            cutlass.Float32,
-            (1, 1, 1),
-            (ROWS, p.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        chunks_per_row = p.head_dim // 8  # 16-byte chunks
-        row_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128),
-            cute.make_layout((WARPGROUP // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1)),
-            cute.make_layout((1, 8)),
-        )
+        q_layout = cute.tile_to_shape(smem_atom(), (ROWS, p.head_dim, 2), (0, 1, 2))  # two groups' query rows
+        kv_layout = cute.tile_to_shape(smem_atom(), (p.block_size, p.head_dim, 1), (0, 1, 2))  # one page
+        tma_atom, tma_kv = kv_cache_tma(kv_cache, kv_layout, p.block_size, p.head_dim)
+        mma_qk, mma_pv = attention_mmas(p.block_size, p.head_dim)
+        row_copy = query_row_copy(p.head_dim)
 
         @cute.struct
         class Storage:
@@ -280,14 +265,9 @@ class BlockMajorAttentionKernel:
             cute.arch.cp_async_commit_group()
             cute.arch.mbarrier_wait(full, page_loads % 2)
             page_loads += 1
-            # V rows past the request (stale slots of its last page) are zeroed: P is 0 there, but 0 * NaN is not.
-            valid_keys = seq_len - first_key
+            valid_keys = seq_len - first_key  # V rows past the request (its last page) are zeroed
             if valid_keys < p.block_size:
-                tVs_page = thr_copy.partition_D(sV[None, None, 0])
-                for i in cutlass.range_constexpr(cute.size(tVs_page, mode=[1])):
-                    if tVc[0, i, 0][0] >= valid_keys:
-                        tVs_page[None, i, None].fill(0)
-                cute.arch.fence_view_async_shared()
+                zero_rows_past(thr_copy, sV[None, None, 0], tVc, valid_keys)
 
             for group in cutlass.range(num_groups, unroll=1):
                 stage = group % 2
@@ -313,14 +293,7 @@ class BlockMajorAttentionKernel:
 
                 # S = Q K^T over the head dim
                 acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
-                qk = cute.make_mma_atom(mma_qk.op)
-                qk.set(warpgroup.Field.ACCUMULATE, False)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    cute.gemm(qk, acc_s, tSrQ[None, None, k, stage], tSrK[None, None, k, 0], acc_s)
-                    qk.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                warpgroup_gemm_nt(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK, 0)
 
                 # Causal mask where the page is the token's own block, softmax over the page's keys.
                 acc_s_mn = acc_rows_cols(acc_s)
@@ -337,17 +310,8 @@ class BlockMajorAttentionKernel:
                             if first_key + score_coords[r, c][1] > row_position[r]:
                                 acc_s_mn[r, c] = -f32.inf
                     online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
-                tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((ROWS, p.block_size)), cutlass.BFloat16)
-                tOrP.store(cute.make_tensor(acc_s.iterator, acc_as_a_operand(acc_s.layout)).load().to(cutlass.BFloat16))
-
-                # O = P V over the page's keys
-                warpgroup.fence()
-                pv = cute.make_mma_atom(mma_pv.op)
-                pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k, 0], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                tOrP = probabilities(thr_pv, acc_s, ROWS, p.block_size)
+                gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, 0])  # O = P V over the page's keys
 
                 # The partial of each row's (token, slot): normalised over the page's keys, and its log-sum-exp.
                 for r in cutlass.range_constexpr(rows):

@@ -27,27 +27,29 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.cute.sparse_attn import WARPS, attend_per_token, attention_inputs
-from msa_kernels.cute.warp_mma import (
-    acc_as_a_operand,
-    acc_rows_cols,
-    online_softmax_row,
-    quad_reduce,
-    warpgroup_gemm_nt,
+from msa_kernels.cute.warp_mma import acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt
+from msa_kernels.cute.warpgroup_attention import (
+    LOG2_E,
+    ROWS,
+    WARPGROUP,
+    attention_mmas,
+    gemm_pv,
+    kv_cache_tma,
+    probabilities,
+    query_row_copy,
+    smem_atom,
+    zero_rows_past,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
 
-ROWS = 64  # the warpgroup MMA's M: a warpgroup's tokens x query heads per index head
 MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
-WARPGROUP = 128  # threads
 MAX_TILE_TOKENS = 16  # a tile's tokens are bits of an int32 set (1 << tokens stays defined)
-LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -140,35 +142,11 @@ class PrefillAttentionKernel:
     ):
         p = self.p
         bf16 = cutlass.BFloat16
-        # 128-byte swizzled K-major tiles (8 x 64 atoms): what TMA writes and wgmma reads.
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-        q_layout = cute.tile_to_shape(atom, (ROWS, p.head_dim, p.warpgroups), (0, 1, 2))
-        kv_layout = cute.tile_to_shape(atom, (p.block_size, p.head_dim, p.stages), (0, 1, 2))
-        # One TMA descriptor over the whole cache, modes ordered (key, d, kv head, K|V, page): a
-        # (B, D) box is one page's K or V of one head; head, K|V and page are picked in the kernel.
-        kv_view = cute.make_tensor(kv_cache.iterator, cute.select(kv_cache.layout, mode=[2, 4, 3, 1, 0]))
-        tma_atom, tma_kv = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), kv_view, cute.select(kv_layout, mode=[0, 1]), (p.block_size, p.head_dim)
-        )
-        mma_qk = sm90_utils.make_trivial_tiled_mma(  # S = Q K^T: both operands K-major in shared memory
-            bf16, bf16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (ROWS, p.block_size)
-        )
-        mma_pv = sm90_utils.make_trivial_tiled_mma(  # O += P V: P from registers, V^T (d contiguous)
-            bf16,
-            bf16,
-            OperandMajorMode.K,
-            OperandMajorMode.MN,
-            cutlass.Float32,
-            (1, 1, 1),
-            (ROWS, p.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        chunks_per_row = p.head_dim // 8  # 16-byte chunks
-        row_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128),
-            cute.make_layout((WARPGROUP // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1)),
-            cute.make_layout((1, 8)),
-        )
+        q_layout = cute.tile_to_shape(smem_atom(), (ROWS, p.head_dim, p.warpgroups), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(smem_atom(), (p.block_size, p.head_dim, p.stages), (0, 1, 2))
+        tma_atom, tma_kv = kv_cache_tma(kv_cache, kv_layout, p.block_size, p.head_dim)
+        mma_qk, mma_pv = attention_mmas(p.block_size, p.head_dim)
+        row_copy = query_row_copy(p.head_dim)
 
         @cute.struct
         class Storage:
@@ -409,29 +387,16 @@ class PrefillAttentionKernel:
                         if first_key + score_coords[r, c][1] > last_key:
                             acc_s_mn[r, c] = -f32.inf
                 online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
-            tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((ROWS, p.block_size)), cutlass.BFloat16)
-            tOrP.store(cute.make_tensor(acc_s.iterator, acc_as_a_operand(acc_s.layout)).load().to(cutlass.BFloat16))
+            tOrP = probabilities(thr_pv, acc_s, ROWS, p.block_size)
 
-            # V rows past the request (stale slots of its last page) are zeroed (by the first warpgroup): P is 0
-            # there, but 0 * NaN is not.
+            # V rows past the request (its last page) are zeroed, by the first warpgroup.
             cute.arch.mbarrier_wait(full_v + stage, phase)
             valid_keys = seq_len - first_key
             if valid_keys < p.block_size and group == 0:
-                tVs_stage = thr_copy.partition_D(sV[None, None, stage])
-                for i in cutlass.range_constexpr(cute.size(tVs_stage, mode=[1])):
-                    if tVc[0, i, 0][0] >= valid_keys:
-                        tVs_stage[None, i, None].fill(0)
-                cute.arch.fence_view_async_shared()
+                zero_rows_past(thr_copy, sV[None, None, stage], tVc, valid_keys)
             cute.arch.sync_threads()
 
-            # O += P V over the page's keys
-            warpgroup.fence()
-            pv = cute.make_mma_atom(mma_pv.op)
-            pv.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                cute.gemm(pv, acc_o, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage])  # O += P V over the page's keys
             cute.arch.sync_threads()  # every warp is done with this stage's V tile: refill it
             if warp == 0 and u + p.stages < union_size:
                 next_page = block_table[request, union_block[u + p.stages]]
