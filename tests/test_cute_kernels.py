@@ -644,6 +644,25 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
     assert_close_to_float64(got, want)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ["prefill_ragged", "chunked_prefill_long"])
+def test_block_major_attention_in_runs_of_tokens_matches_reference(case_name, monkeypatch):
+    """Partials for 100 tokens at a time (PARTIAL_BYTES lowered): runs that cut requests, each merged into its
+    rows of the output."""
+    hq, hkv, hi, d = 64, 4, 4, 128
+    shape, case = attention_case(case_name, hq, hkv, hi, d)
+    monkeypatch.setattr(sparse_attn_by_block, "PARTIAL_BYTES", 100 * shape.topk_blocks * hq * d * 2)
+    selected = case.reference_selection()
+    out = torch.full_like(case.q, float("nan"))
+    got = sparse_attn_by_block.prefill_sparse_attention_by_block(
+        case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out
+    )
+    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close_to_float64(got, want)
+
+
 def attention_case(case_name: str, hq: int, hkv: int, hi: int, d: int):
     """(shape, bf16 case on the GPU) of one of ATTENTION_CASES with these head counts, 16 blocks selected."""
     shape = MSAShape(

@@ -383,6 +383,7 @@ def block_major_items(
 
 
 TOKENS_PER_ITEM = 32  # entries (tokens) of one block a work item attends: the page is read once for them
+PARTIAL_BYTES = 1 << 30  # largest partial tensor a call makes at once: longer prefills go in runs of tokens
 
 
 def prefill_sparse_attention_by_block(
@@ -397,24 +398,28 @@ def prefill_sparse_attention_by_block(
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper (BlockMajorAttentionKernel
     .can_implement): the kernel writes a partial per (token, query head, selection slot), [K, T, Hq, D] bf16 and its
-    log-sum-exp (256 KB a token at M3's shapes, made per call), combine.py merges them into the output.
-    kv_cache must be contiguous; q and out may be strided views."""
-    num_tokens, topk = batch.num_tokens, selected.shape[-1]
+    log-sum-exp, combine.py merges them into the output. The partials take K x Hq x D x 2 bytes a token (256 KB at
+    M3's shapes): where a batch's would pass PARTIAL_BYTES, runs of its tokens go one after the other
+    (PagedBatch.token_chunks). kv_cache must be contiguous; q and out may be strided views."""
+    topk = selected.shape[-1]
     params = BlockMajorParams(
         shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, topk, shape.block_size
     )
-    q, kv_cache, block_table, seq_lens, positions, selected = attention_inputs(q, kv_cache, batch, selected)
+    kernel = compiled_kernel(BlockMajorAttentionKernel, params)
+    q, kv_cache, _, _, _, selected = attention_inputs(q, kv_cache, batch, selected)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    order, item_first, item_count = block_major_items(
-        selected, batch.token_requests, block_table.shape[1], tokens_per_item
-    )
     hq, d = shape.num_q_heads, shape.head_dim
-    partial = torch.empty((topk, num_tokens, hq, d), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full((topk, num_tokens, hq), float("-inf"), dtype=torch.float32, device=q.device)
     ctas = CTAS_PER_SM * num_sms(q.device.index or 0)
-    compiled_kernel(BlockMajorAttentionKernel, params)(
-        q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected, order, item_first,
-        item_count, partial, lse, scale, ctas,
-    )  # fmt: skip
-    combine_splits(partial, lse, result)
+    for rows, run in batch.token_chunks(max(1, PARTIAL_BYTES // (topk * hq * d * 2))):
+        run_selected = selected[rows]
+        order, item_first, item_count = block_major_items(
+            run_selected, run.token_requests, run.block_table.shape[1], tokens_per_item
+        )
+        partial = torch.empty((topk, run.num_tokens, hq, d), dtype=torch.bfloat16, device=q.device)
+        lse = torch.full((topk, run.num_tokens, hq), float("-inf"), dtype=torch.float32, device=q.device)
+        kernel(
+            q[rows], kv_cache, run.block_table, run.seq_lens, run.token_requests, run.positions, run_selected,
+            order, item_first, item_count, partial, lse, scale, ctas,
+        )  # fmt: skip
+        combine_splits(partial, lse, result[rows])
     return copy_into(result, out)
