@@ -206,8 +206,9 @@ def test_combine_kernel_compiles_for_sm90a(hq, d, splits, sm90a):
     compiles_and_caches(CombineKernel, CombineParams(hq, d, splits), sm90a)
 
 
-def test_combine_kernel_with_bf16_partials_compiles_for_sm90a(sm90a):
-    compiles_and_caches(CombineKernel, CombineParams(64, 128, 16, bf16_partials=True), sm90a)
+@pytest.mark.parametrize("gated", [False, True])
+def test_combine_kernel_with_bf16_partials_compiles_for_sm90a(gated, sm90a):
+    compiles_and_caches(CombineKernel, CombineParams(64, 128, 16, bf16_partials=True, gated=gated), sm90a)
 
 
 BY_BLOCK_PARAMS = [
@@ -228,15 +229,20 @@ def test_block_major_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
 
 
 @pytest.mark.parametrize("tokens_per_item", [1, 3, 32])
-def test_block_major_items_cover_every_selection_once_in_runs_of_one_block(tokens_per_item):
-    """Three requests of 20, 20 and 10 tokens, two index heads, 4 slots of 12 blocks, some empty (-1)."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_block_major_items_cover_every_selection_once_in_runs_of_one_block(tokens_per_item, gated):
+    """Three requests of 20, 20 and 10 tokens, two index heads, 4 slots of 12 blocks, some empty (-1); gated: the
+    (token, index head)s a handled mask marks are left out."""
     num_tokens, num_heads, k, max_blocks = 50, 2, 4, 12
     g = torch.Generator().manual_seed(tokens_per_item)
     selected = torch.stack([torch.randperm(max_blocks, generator=g)[:k] for _ in range(num_tokens * num_heads)])
     selected = selected.view(num_tokens, num_heads, k).sort(-1).values.int()
     selected[torch.rand(selected.shape, generator=g) < 0.2] = -1
     token_requests = (torch.arange(num_tokens) // 20).int()
-    order, item_first, count = block_major_items(selected, token_requests, max_blocks, tokens_per_item)
+    handled = (torch.rand(num_tokens, num_heads, generator=g) < 0.5).int() if gated else None
+    order, item_first, count = block_major_items(selected, token_requests, max_blocks, tokens_per_item, handled)
+    if gated:
+        selected = selected.masked_fill(handled[..., None] != 0, -1)  # what the items must cover
     flat, items = selected.reshape(-1), count.item()
     covered = []
     for w in range(items):
@@ -279,7 +285,7 @@ def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
     compile_kernel = compiled_kernel.__wrapped__
     for combine in (compile_kernel(CombineKernel, params), compile_kernel(CombineKernel, params)):  # the 2nd loads
         with pytest.raises(ValueError, match="Misaligned Tensor data on argument #0.*alignment=16 bytes"):
-            combine(misaligned, lse, out)
+            combine(misaligned, lse, out, None)  # not gated: no handled flags
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -592,6 +598,7 @@ ATTENTION_CASES = {
         ("prefill", 24, 4, 1),
         ("prefill", 48, 1, 2),
         ("by_block", None, 1, 1),
+        ("prefill_and_by_block", 24, 1, 1),
     ],
     ids=[
         "per_token",
@@ -602,15 +609,16 @@ ATTENTION_CASES = {
         "prefill_and_per_token_4_warps",
         "prefill_2_warpgroups_and_per_token",
         "by_block",
+        "prefill_and_by_block",
     ],
 )
 def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps, warpgroups):
     """4_warps: four warps a CTA share each K/V tile of the per-token kernel; 2_warpgroups: two warpgroups a CTA
     of the prefill kernel share each page; and_per_token: tiles whose union has more than 24 blocks (48 for two
-    warpgroups' tiles) go to the per-token kernel."""
-    if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
+    warpgroups' tiles) go to the per-token kernel; by_block: sparse_attn_by_block.py, alone or for those tiles."""
+    if kernel.startswith("prefill") and (hq, hkv, hi, d) not in PREFILL_PARAMS:
         pytest.skip("the prefill kernel does not serve this shape")
-    if kernel == "by_block" and (hq, hkv, hi, d) not in BY_BLOCK_PARAMS:
+    if kernel.endswith("by_block") and (hq, hkv, hi, d) not in BY_BLOCK_PARAMS:
         pytest.skip("the block-major kernel does not serve this shape")
     if not sparse_attn.warps_can_share_tile(warps, d):
         pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
@@ -639,6 +647,7 @@ def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, ke
             max_union=max_union,
             warps=warps,
             warpgroups=warpgroups,
+            leftovers="by_block" if kernel == "prefill_and_by_block" else "per_token",
         )
     want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
     assert_close_to_float64(got, want)

@@ -17,7 +17,8 @@ are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, 
 prefill kernel's e4m3 variant). Where four warps can share a K/V tile (M3's head dim), the per-token kernel attends
 once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck), and
 where the prefill attention kernel serves the shape, it attends for every token on two warpgroups a CTA, and
-where the block-major kernel does (sparse_attn_by_block.py), it too.
+where the block-major kernel does (sparse_attn_by_block.py), it too, alone and for the tiles the prefill kernel
+leaves (its merge gated on the prefill kernel's flags).
 """
 
 import torch
@@ -86,6 +87,8 @@ def main() -> None:
             attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
             got = sparse_attn_by_block.prefill_sparse_attention_by_block(*attend)
             _check(f"{name}, block by block", got, want["bf16"])
+            got = sparse_attn_prefill.prefill_sparse_attention(*attend, max_union=24, leftovers="by_block")
+            _check(f"{name}, prefill kernel, the tiles it leaves block by block", got, want["bf16"])
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
         got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)

@@ -7,7 +7,8 @@ window 1 = neighbouring tokens select independently, window 16 = they mostly agr
 per-token kernel's time on one warp a CTA and on four, the block-major kernel's (sparse_attn_by_block.py), then
 per warpgroup count (1: 4 tokens a tile, 2: 8 sharing each page) and stage count (1, 2, 3; two warpgroups: 1, 2)
 the prefill kernel alone (bound 10**6) and the adaptive mode with union bounds of 11, 9.5, 8 and 6 blocks a token
-(44, 38, 32 and 24 for 4 tokens), each with its output cosine against the per-token kernel.
+(44, 38, 32 and 24 for 4 tokens), the tiles it leaves on the per-token or the block-major kernel, each with its
+output cosine against the per-token kernel.
 """
 
 import functools
@@ -39,18 +40,21 @@ def main():
         )
         for warpgroups in (1, 2):
             for stages in (1, 2, 3) if warpgroups == 1 else (1, 2):
-                for per_token in (None, 11, 9.5, 8, 6):
-                    bound = 10**6 if per_token is None else round(per_token * TOKENS * warpgroups)
+                for blocks_a_token, leftovers in [(None, "per_token")] + [
+                    (blocks, left) for blocks in (11, 9.5, 8, 6) for left in ("per_token", "by_block")
+                ]:
+                    bound = 10**6 if blocks_a_token is None else round(blocks_a_token * TOKENS * warpgroups)
                     run = functools.partial(
                         sparse_attn_prefill.prefill_sparse_attention,
                         *problem,
                         max_union=bound,
                         stages=stages,
                         warpgroups=warpgroups,
+                        leftovers=leftovers,
                     )
                     cos = torch.nn.functional.cosine_similarity(run().float().flatten(), reference.flatten(), dim=0)
                     print(
-                        f"  warpgroups {warpgroups} stages {stages} max_union {bound}: "
+                        f"  warpgroups {warpgroups} stages {stages} max_union {bound} leftovers {leftovers}: "
                         f"{timed(run, iters=3) * 1e3:.2f} ms cos {cos.item():.5f}",
                         flush=True,
                     )

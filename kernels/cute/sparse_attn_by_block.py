@@ -354,18 +354,25 @@ class BlockMajorAttentionKernel:
 
 
 def block_major_items(
-    selected: torch.Tensor, token_requests: torch.Tensor, max_blocks: int, tokens_per_item: int
+    selected: torch.Tensor,
+    token_requests: torch.Tensor,
+    max_blocks: int,
+    tokens_per_item: int,
+    handled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The work of BlockMajorAttentionKernel for a selection [T, Hi, K] (-1: no block): (entry_order [T Hi K] int32,
     the flat (token, index head, slot) entries sorted by (request, index head, block), tokens ascending within a
     block, those without a block last; item_first [T Hi K + 1] int32, where item w's entries begin (the ends past
     the last item); item_count [1] int32). An item is a run of at most tokens_per_item entries of one block.
-    Computed on the device with fixed shapes: no host sync."""
+    handled ([T, Hi] int32): the (token, index head)s it marks count as without blocks (another kernel attends
+    them). Computed on the device with fixed shapes: no host sync."""
     num_tokens, num_heads, k = selected.shape
     entries = num_tokens * num_heads * k
     device = selected.device
     index = torch.arange(entries, device=device)
     block = selected.reshape(-1).long()
+    if handled is not None:
+        block = block.masked_fill((handled != 0).repeat_interleave(k, dim=1).reshape(-1), -1)
     request = token_requests[:num_tokens].long()[index // (num_heads * k)]
     head = (index // k) % num_heads
     no_block = torch.iinfo(torch.int64).max
@@ -395,12 +402,14 @@ def prefill_sparse_attention_by_block(
     scale: float,
     out: torch.Tensor | None = None,
     tokens_per_item: int = TOKENS_PER_ITEM,
+    handled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper (BlockMajorAttentionKernel
     .can_implement): the kernel writes a partial per (token, query head, selection slot), [K, T, Hq, D] bf16 and its
     log-sum-exp, combine.py merges them into the output. The partials take K x Hq x D x 2 bytes a token (256 KB at
     M3's shapes): where a batch's would pass PARTIAL_BYTES, runs of its tokens go one after the other
-    (PagedBatch.token_chunks). kv_cache must be contiguous; q and out may be strided views."""
+    (PagedBatch.token_chunks). kv_cache must be contiguous; q and out may be strided views. handled ([T, Hi] int32,
+    the prefill kernel's flags): only the (token, index head) rows it leaves at 0 are attended and written."""
     topk = selected.shape[-1]
     params = BlockMajorParams(
         shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads, shape.head_dim, topk, shape.block_size
@@ -412,8 +421,9 @@ def prefill_sparse_attention_by_block(
     ctas = CTAS_PER_SM * num_sms(q.device.index or 0)
     for rows, run in batch.token_chunks(max(1, PARTIAL_BYTES // (topk * hq * d * 2))):
         run_selected = selected[rows]
+        run_handled = handled[rows] if handled is not None else None
         order, item_first, item_count = block_major_items(
-            run_selected, run.token_requests, run.block_table.shape[1], tokens_per_item
+            run_selected, run.token_requests, run.block_table.shape[1], tokens_per_item, run_handled
         )
         partial = torch.empty((topk, run.num_tokens, hq, d), dtype=torch.bfloat16, device=q.device)
         lse = torch.full((topk, run.num_tokens, hq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -421,5 +431,5 @@ def prefill_sparse_attention_by_block(
             q[rows], kv_cache, run.block_table, run.seq_lens, run.token_requests, run.positions, run_selected,
             order, item_first, item_count, partial, lse, scale, ctas,
         )  # fmt: skip
-        combine_splits(partial, lse, result[rows])
+        combine_splits(partial, lse, result[rows], run_handled)
     return copy_into(result, out)

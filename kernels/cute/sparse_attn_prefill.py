@@ -23,6 +23,7 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,6 +34,7 @@ from cutlass.cute.nvgpu import cpasync
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
 from msa_kernels.cute.sparse_attn import WARPS, attend_per_token, attention_inputs
+from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel, prefill_sparse_attention_by_block
 from msa_kernels.cute.warp_mma import acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt
 from msa_kernels.cute.warpgroup_attention import (
     LOG2_E,
@@ -433,14 +435,16 @@ def prefill_sparse_attention(
     stages: int = 1,
     warps: int = WARPS,
     warpgroups: int = 1,
+    leftovers: Literal["per_token", "by_block"] = "per_token",
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
-    each request's tiles of consecutive tokens, the gated per-token kernel on the tiles whose union of
-    blocks exceeds max_union (default MAX_UNION x K per token; 10**6: none).
+    each request's tiles of consecutive tokens, `leftovers` on the tiles whose union of blocks exceeds max_union
+    (default MAX_UNION x K per token; 10**6: none).
 
     kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA, warpgroups: per CTA
-    (PrefillAttentionParams; benchmarks sweep them and max_union); warps: the per-token kernel's per CTA
-    (sparse_attn.SparseAttentionParams.warps).
+    (PrefillAttentionParams; benchmarks sweep them and max_union); leftovers: what attends the tiles it leaves,
+    the per-token kernel (warps a CTA: sparse_attn.SparseAttentionParams.warps) or sparse_attn_by_block.py (where
+    it serves the shape).
     """
     num_tokens, topk = batch.num_tokens, selected.shape[-1]
     params = PrefillAttentionParams(
@@ -461,6 +465,13 @@ def prefill_sparse_attention(
     compiled_kernel(PrefillAttentionKernel, params)(
         *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
     )
-    if max_union < params.candidates:  # some tiles were left
+    if max_union >= params.candidates:  # no tile was left
+        return copy_into(result, out)
+    heads = (shape.num_q_heads, shape.num_index_heads)
+    if leftovers == "by_block" and BlockMajorAttentionKernel.can_implement(
+        q.dtype, *heads, shape.head_dim, shape.block_size
+    ):
+        prefill_sparse_attention_by_block(inputs[0], inputs[1], batch, inputs[5], shape, scale, result, handled=handled)
+    else:
         attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled, warps=warps)
     return copy_into(result, out)
