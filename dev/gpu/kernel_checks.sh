@@ -34,7 +34,7 @@ check() {  # NAME: run one named check
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
     topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
-    sparse) run bench_sparse_attention 150 python3 kernels/bench/bench_sparse_attention.py ;;
+    sparse) run bench_sparse_attention 300 python3 kernels/bench/bench_sparse_attention.py ;;
     index) run bench_index_scores 150 python3 kernels/bench/bench_index_scores.py ;;
     prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
     prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
