@@ -209,6 +209,7 @@ def test_scratch_made_during_cuda_graph_capture_is_kept_apart_from_eager_scratch
     with torch.cuda.graph(graph):
         captured = batch.scratch("block scores", (2, 4, 3), torch.float32)
         assert batch.scratch("block scores", (2, 4, 3), torch.float32) is captured
+        captured.zero_()  # a kernel in the graph, as a layer's would be
     assert captured is not eager and captured.data_ptr() != eager.data_ptr()
     assert batch.scratch("block scores", (2, 4, 3), torch.float32) is eager
 
