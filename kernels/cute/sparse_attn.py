@@ -174,8 +174,8 @@ class SparseAttentionKernel:
         )  # row-major e4m3 stages
         staging_size = cute.cosize(staging_layout) if p.fp8_kv else 1
         p_layout = swizzled_rows(p.tile_keys, ROWS)  # warps > 1: the tile's probabilities, the A of P V
-        shared_p = p.warps > 1
-        p_align = 1024 if shared_p else 4
+        warps_share_tile = p.warps > 1
+        p_align = 1024 if warps_share_tile else 4
 
         @cute.struct
         class Storage:
@@ -184,8 +184,10 @@ class SparseAttentionKernel:
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(kv_layout)], 1024]
             sK8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]  # fp8_kv: e4m3 staging
             sV8: cute.struct.Align[cute.struct.MemRange[kv_dtype, staging_size], 128]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(p_layout) if shared_p else 1], p_align]
-            sRowStat: cute.struct.MemRange[cutlass.Float32, p.warps * ROWS]  # each warp's row max, then row sum
+            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(p_layout) if warps_share_tile else 1], p_align]
+            sRowStat: cute.struct.MemRange[
+                cutlass.Float32, p.warps * ROWS if warps_share_tile else 1
+            ]  # row max, then sum
 
         cp_async = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
         gmem_copy = row_copy(bf16, self.threads, p.head_dim, cp_async)
@@ -294,7 +296,6 @@ class SparseAttentionKernel:
         sVt = cute.composition(
             sV, cute.make_layout((p.head_dim, p.tile_keys, 2), stride=(p.tile_keys, 1, p.tile_keys * p.head_dim))
         )
-        row_stat = storage.sRowStat.get_tensor(cute.make_layout((p.warps, ROWS), stride=(ROWS, 1)))
 
         # K/V tiles land in sK / sV, or (fp8_kv) in the e4m3 staging ring sK8 / sV8 that convert_tile widens.
         sK_load, sV_load = sK, sV
@@ -334,7 +335,8 @@ class SparseAttentionKernel:
         tSrK_view = copy_k.retile(tSrK)
         tOrVt_view = copy_v.retile(tOrVt)
         score_coords = rows_cols(thr_mma.partition_C(cute.make_identity_tensor((ROWS, p.slice_keys))))
-        if cutlass.const_expr(p.warps > 1):
+        if cutlass.const_expr(p.warps > 1):  # what the warps exchange: each warp's row statistics, the probabilities
+            row_stat = storage.sRowStat.get_tensor(cute.make_layout((p.warps, ROWS), stride=(ROWS, 1)))
             sP = storage.sP.get_tensor(p_layout)
             tOrP_shared = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
             tOsP = copy_q.partition_S(sP)
@@ -521,7 +523,7 @@ def resident_ctas_per_sm(params: SparseAttentionParams) -> int:
     kv_ring = aligned(2 * params.tile_keys * params.head_dim * 2)  # two stages, bf16
     staging = 2 * aligned(2 * params.tile_keys * params.head_dim) if params.fp8_kv else 0  # two e4m3 stages, K and V
     p_tile = aligned(ROWS * params.tile_keys * 2) if params.warps > 1 else 0
-    row_stats = aligned(params.warps * ROWS * 4)
+    row_stats = aligned(params.warps * ROWS * 4) if params.warps > 1 else 0
     return max(
         1, min(32, 64 // params.warps, SMEM_PER_SM // (q_tile + 2 * kv_ring + staging + p_tile + row_stats + 1024))
     )
