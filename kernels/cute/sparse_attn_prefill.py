@@ -10,8 +10,8 @@ the same blocks (the local block always; in trained models often most of them) o
 up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
 MMA rows (two warpgroups share each page the CTA loads: twice the rows a page feeds where the G tokens
 share their blocks): a tile whose union exceeds `max_union` blocks (default MAX_UNION x K a token) is left to
-the per-token kernel (sparse_attn.py, gated on the `handled` flags this kernel writes);
-prefill_sparse_attention launches both.
+the per-token kernel (sparse_attn.py) or the block-major one (sparse_attn_by_block.py), both gated on the
+`handled` flags this kernel writes; prefill_sparse_attention launches them.
 
 Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
 (default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
@@ -304,9 +304,8 @@ class PrefillAttentionKernel:
                     self.load_tile(tma_atom, tKVg, tKs, full_k, page, 0, s, tx_bytes)
                     self.load_tile(tma_atom, tKVg, tVs, full_v, page, 1, s, tx_bytes)
 
-        # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's
-        # tokens are zero.
-        # Each warpgroup copies its own rows.
+        # Q rows, each warpgroup its own: row h + m g = token first + group_first_token + g, query head
+        # index_head * m + h; rows past the tile's tokens are zero.
         thr_copy = row_copy.get_slice(wg_tidx)
         q_by_head = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 0, 2]))  # (Hq, T, D)
         gQ = cute.group_modes(
@@ -369,7 +368,9 @@ class PrefillAttentionKernel:
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
             warpgroup_gemm_nt(mma_qk, acc_s, tSrQ, tSrK, stage)
             cute.arch.sync_threads()  # every warp's S is done
-            if warp == 0 and u + p.stages < union_size:
+            refill = warp == 0 and u + p.stages < union_size
+            next_page = cutlass.Int32(0)
+            if refill:
                 next_page = block_table[request, union_block[u + p.stages]]
                 self.load_tile(tma_atom, tKVg, tKs, full_k, next_page, 0, stage, tx_bytes)
 
@@ -400,8 +401,7 @@ class PrefillAttentionKernel:
 
             gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage])  # O += P V over the page's keys
             cute.arch.sync_threads()  # every warp is done with this stage's V tile: refill it
-            if warp == 0 and u + p.stages < union_size:
-                next_page = block_table[request, union_block[u + p.stages]]
+            if refill:
                 self.load_tile(tma_atom, tKVg, tVs, full_v, next_page, 1, stage, tx_bytes)
 
         # Epilogue: normalise and store the rows of the tile's tokens.
