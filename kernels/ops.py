@@ -299,6 +299,14 @@ def select_blocks(
     return selected
 
 
+def layer_selection(batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
+    """Where a layer call of a serving step writes its selection [T, Hi, K] int32 (select_blocks' out): the batch's
+    scratch (PagedBatch.scratch), which the step's layers share, for a caller that consumes each layer's selection
+    before the next layer's call on the batch, as the backend does (one allocation fewer per layer call: ~5 us of
+    host time on the H200's host)."""
+    return batch.scratch("selected blocks", (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), torch.int32)
+
+
 def _score_chunks(part: PagedBatch, shape: MSAShape) -> list[tuple[slice | None, PagedBatch]]:
     """[(None, part)], or, where its block scores [T, Hi, max_blocks] fp32 would pass SCORE_BYTES (a long
     prefill: one 128K-token chunk of a 1M context would need 16 GiB), runs of its tokens whose scores fit,

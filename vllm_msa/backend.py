@@ -319,8 +319,9 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         index_metadata: FlashMSAMetadata,
     ) -> torch.Tensor:
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
-        n = index_metadata.num_actual_tokens
-        return ops.select_blocks(index_query[:n], index_key_cache, index_metadata.batch, self.shape)
+        n, batch = index_metadata.num_actual_tokens, index_metadata.batch
+        selected = ops.layer_selection(batch, self.shape)  # the observer consumes it before the next layer's call
+        return ops.select_blocks(index_query[:n], index_key_cache, batch, self.shape, out=selected)
 
     def attend(
         self,

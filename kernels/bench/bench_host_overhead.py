@@ -1,13 +1,14 @@
-"""Host (Python) time of one eager MSA layer call, ops.msa_attention, at M3 shapes, with a cProfile breakdown.
+"""Host (Python) time of one eager MSA layer call at M3 shapes, as the backend makes it, with a cProfile breakdown.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_host_overhead.py [--calls N] [--group G] [--top K]
         [--python-only]
 
 (on the GPU machine, CuTeDSL installed; with --python-only anywhere, see below). Cases: decode
 batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
-SCALE, paged_problem of msa_kernels.bench.problems; the output written into a preallocated buffer, as
-vLLM's backend passes it). Each case reuses one batch, as the layers of a step share theirs, so
-what is measured is a layer's own cost, not the step's.
+SCALE, paged_problem of msa_kernels.bench.problems; ops.select_blocks into the step's selection
+(ops.layer_selection), ops.sparse_attention into a preallocated output, as vllm_msa's backend calls them).
+Each case reuses one batch, as the layers of a step share theirs, so what is measured is a layer's own cost,
+not the step's.
 
 host us/call   wall time until the call returns, averaged over --calls calls: the calls run in groups
                of --group with a synchronize between groups (not timed), so the GPU's launch queue never
@@ -54,10 +55,16 @@ CASES = {  # name: requests (context tokens, of which new)
 
 
 def layer_call(requests: list[tuple[int, int]], device: str = "cuda"):
-    """A no-argument eager ops.msa_attention call on one problem of these requests."""
+    """A no-argument eager layer call on one problem of these requests, as vllm_msa/backend.py makes it: the
+    selection into the step's (ops.layer_selection), then the attention into the layer's output."""
     batch, q, index_q, kv, index_keys, _ = paged_problem(requests, device=device)
     out = torch.empty_like(q)
-    return lambda: ops.msa_attention(q, index_q, kv, index_keys, batch, M3_SHAPE, SCALE, out=out)
+
+    def call():
+        selected = ops.select_blocks(index_q, index_keys, batch, M3_SHAPE, out=ops.layer_selection(batch, M3_SHAPE))
+        ops.sparse_attention(q, kv, batch, selected, M3_SHAPE, SCALE, out=out)
+
+    return call
 
 
 def run_groups(call, calls: int, group: int, profile: cProfile.Profile | None = None) -> tuple[float, float]:
