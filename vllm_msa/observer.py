@@ -79,8 +79,11 @@ class StepObserver:
             decode_tokens = decode.num_tokens if decode is not None else 0
             self.stats.record(selected, batch.positions, block_size, decode_tokens, layers=len(self.layers))
             self.stats.publish()
-        capturing = selected.is_cuda and torch.cuda.is_current_stream_capturing()  # nothing to log: no host copy
-        if selection_log.labels_by_key and self.logs_selection and not capturing:
+        if (  # the capture query (a CUDA call) only where a selection is to be logged
+            selection_log.labels_by_key
+            and self.logs_selection
+            and not (selected.is_cuda and torch.cuda.is_current_stream_capturing())  # no host copy in a capture
+        ):
             selection_log.log_selection(
                 layer_name, selected, batch.query_start_loc_cpu, batch.seq_lens, metadata.request_keys
             )
