@@ -18,6 +18,10 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --
   > "$out/plugin_install.log" 2>&1 || { tail "$out/plugin_install.log"; exit 1; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 sanitize=(compute-sanitizer --report-api-errors no)
+# The kernel tests in 8 processes (pytest-xdist, on the GPU image) where it imports: most of their time is compiling
+# kernel variants on the host (1-4 s each), which the machine's 16 cores do side by side; one GPU runs them all.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
 
 run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then its last summary line
   local name=$1 limit=$2
@@ -29,7 +33,7 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
 
 check() {  # NAME: run one named check
   case $1 in
-    tests) run pytest_cute 480 python3 -m pytest -q -rf --tb=short tests/test_cute_kernels.py ;;
+    tests) run pytest_cute 480 python3 -m pytest -q -rf --tb=short "${workers[@]}" tests/test_cute_kernels.py ;;
     dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
