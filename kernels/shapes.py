@@ -10,7 +10,7 @@ the decode kernels run every token on its own, causal by its position, so any su
 """
 
 import bisect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
@@ -62,11 +62,6 @@ class MSAShape:
             )
         if problems:
             raise ValueError("invalid MSA shape: " + "; ".join(problems))
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
-
-    def __hash__(self) -> int:
-        """Hashed once: the launchers' caches key on the shape, once or more per layer call."""
-        return self._hash
 
     @property
     def heads_per_index_head(self) -> int:
