@@ -11,6 +11,7 @@ from msa_kernels import reference
 from msa_kernels.bench.problems import M3_SHAPE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes, quantize_rows
 from msa_kernels.shapes import MSAShape
+from msa_kernels.stand_ins import SignatureCheck, stand_in_kernels
 from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
@@ -286,6 +287,125 @@ def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
     for combine in (compile_kernel(CombineKernel, params), compile_kernel(CombineKernel, params)):  # the 2nd loads
         with pytest.raises(ValueError, match="Misaligned Tensor data on argument #0.*alignment=16 bytes"):
             combine(misaligned, lse, out, None)  # not gated: no handled flags
+
+
+# The launchers on any machine: each compiled kernel a stand-in that checks what it is passed against the kernel's
+# symbolic arguments (msa_kernels.stand_ins.SignatureCheck), as the compiled function checks it on the GPU.
+LAUNCH_BATCHES = {  # (q_lens, seq_lens) at MiniMax-M3's layer shape
+    "decode": ([1, 1, 1], [129, 4000, 700]),
+    "prefill": ([300, 70], [300, 1000]),
+    "mixed": ([1, 1, 300], [500, 2000, 1300]),
+}
+
+
+@pytest.fixture
+def launches():
+    """ops routed as on a Hopper GPU, every compiled kernel a SignatureCheck stand-in, for the test's duration."""
+    check = SignatureCheck()
+    with stand_in_kernels(check):
+        yield check
+
+
+def launch_case(batch_name: str):
+    q_lens, seq_lens = LAUNCH_BATCHES[batch_name]
+    return make_case(M3_SHAPE, q_lens, seq_lens, dtype=torch.bfloat16, seed=len(batch_name))
+
+
+@pytest.mark.parametrize("index_keys", ["bf16", "fp8"])
+@pytest.mark.parametrize("batch_name", LAUNCH_BATCHES)
+def test_a_layer_call_passes_each_kernel_what_its_signature_takes(batch_name, index_keys, launches, monkeypatch):
+    """ops.msa_attention as a served layer calls it (the prefill index scores in two chunks of tokens)."""
+    from msa_kernels import ops
+
+    case = launch_case(batch_name)
+    index_key_cache = case.index_key_cache if index_keys == "bf16" else fp8_pages(case.index_key_cache)
+    row_bytes = M3_SHAPE.num_index_heads * case.batch.block_table.shape[1] * 4
+    monkeypatch.setattr(ops, "SCORE_BYTES", 200 * row_bytes)  # a 370-token prefill part scores in two runs
+    out = torch.empty_like(case.q)
+    ops.msa_attention(case.q, case.index_q, case.kv_cache, index_key_cache, case.batch, M3_SHAPE, case.scale, out=out)
+    index_kernel = {"bf16": "IndexScoreKernel", "fp8": "Fp8IndexScoreKernel"}[index_keys]
+    want = {
+        "decode": {index_kernel, "TopkBlocksKernel", "SparseAttentionKernel", "CombineKernel"},
+        "prefill": {"PrefillIndexScoreKernel", "TopkBlocksKernel", "PrefillAttentionKernel", "SparseAttentionKernel"},
+    }
+    want["mixed"] = want["decode"] | want["prefill"]
+    assert set(launches.kernels()) == want[batch_name]
+    if batch_name == "prefill":
+        assert launches.kernels().count("PrefillIndexScoreKernel") == 2
+    fp8_params = [launch.params.fp8 for launch in launches.launches if launch.kernel == "PrefillIndexScoreKernel"]
+    assert all(fp8 == (index_keys == "fp8") for fp8 in fp8_params)
+
+
+@pytest.mark.parametrize("batch_name", ["decode", "prefill"])
+def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launches):
+    from msa_kernels import ops
+
+    case = launch_case(batch_name)
+    fp8 = reference.fp8_kv_cache(case.kv_cache, (0.5, 2.0))
+    selected = case.reference_selection()
+    ops.sparse_attention(case.q, fp8, case.batch, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q))
+    attention = [launch.params for launch in launches.launches if launch.kernel == "SparseAttentionKernel"]
+    assert attention and all(params.fp8_kv for params in attention)
+
+
+@pytest.mark.parametrize("warpgroups, stages", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("leftovers", ["per_token", "by_block"])
+def test_the_prefill_attention_and_the_kernels_for_its_leftovers_take_what_they_are_passed(
+    warpgroups, stages, leftovers, launches, monkeypatch
+):
+    case = launch_case("prefill")
+    selected = case.reference_selection()
+    monkeypatch.setattr(sparse_attn_by_block, "PARTIAL_BYTES", 100 * M3_SHAPE.topk_blocks * 64 * 128 * 2)
+    sparse_attn_prefill.prefill_sparse_attention(
+        case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q),
+        stages=stages, warpgroups=warpgroups, leftovers=leftovers, warps=4,
+    )  # fmt: skip
+    if leftovers == "per_token":
+        assert launches.kernels() == ["PrefillAttentionKernel", "SparseAttentionKernel"]
+        assert launches.launches[1].params.gated and launches.launches[1].params.warps == 4
+    else:  # 370 tokens in runs of 100: each run's partials merged, gated on the prefill kernel's flags
+        assert launches.kernels() == ["PrefillAttentionKernel"] + ["BlockMajorAttentionKernel", "CombineKernel"] * 4
+        combine = launches.launches[2].params
+        assert combine.bf16_partials and combine.gated and combine.splits == M3_SHAPE.topk_blocks
+
+
+def test_the_decode_variants_take_what_they_are_passed(launches):
+    """Four warps sharing a decode tile, 16 index-key elements a lane, top-k rows of a warp and of 1024 threads."""
+    case = launch_case("decode")
+    selected = case.reference_selection()
+    sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, warps=4)
+    scores = index_scores.index_block_scores(case.index_q, case.index_key_cache, case.batch, M3_SHAPE, lane_elems=16)
+    for threads in (32, 1024):
+        topk_blocks.topk_blocks(scores, case.batch.positions, M3_SHAPE, threads=threads)
+    decode_layer = ["SparseAttentionKernel", "CombineKernel", "IndexScoreKernel", "TopkBlocksKernel"]
+    assert launches.kernels() == decode_layer + ["TopkBlocksKernel"]
+
+
+def test_fp8_index_key_writes_take_what_they_are_passed(launches):
+    from msa_kernels import ops
+
+    case = launch_case("prefill")
+    fp8 = fp8_pages(case.index_key_cache)
+    slots = torch.arange(case.index_q.shape[0], dtype=torch.int32)  # vLLM's slot mapping is int64; the launcher widens
+    ops.write_index_keys(fp8, slots, case.index_q[:, :1])
+    assert launches.kernels() == ["Fp8IndexKeyWriteKernel"]
+
+
+def test_the_signature_check_refuses_what_a_compiled_kernel_would():
+    """The stand-in fails where the GPU would: swapped, missing, misaligned and mistyped arguments."""
+    kernel = SignatureCheck()(CombineKernel, CombineParams(8, 32, 2))
+    partial, lse, out = torch.zeros(2, 3, 8, 32), torch.zeros(2, 3, 8), torch.zeros(3, 8, 32, dtype=torch.bfloat16)
+    kernel(partial, lse, out, None)
+    misaligned = torch.zeros(2 * 3 * 8 * 32 + 1)[1:].view(2, 3, 8, 32)
+    for args, error in [
+        ((lse, partial, out, None), "argument 0: rank 4"),
+        ((partial, lse, out), "3 arguments, the kernel takes 4"),
+        ((misaligned, lse, out, None), "argument 0: base not 16-byte aligned"),
+        ((partial, lse, out.float(), None), "argument 2: torch.bfloat16 expected"),
+        ((partial, lse, out, torch.zeros(3, 1, dtype=torch.int32)), "argument 3: None expected"),
+    ]:
+        with pytest.raises(AssertionError, match=error):
+            kernel(*args)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -25,17 +25,16 @@ Warm-up calls come first (the first compiles or loads the kernels); the table sa
 implementation runs each step (ops.describe), since the PyTorch path would be timed otherwise.
 
 --python-only (any machine, CPU tensors): ops routes every step to the CuTeDSL launchers as on a Hopper GPU,
-but each compiled kernel is a no-op and nothing is allocated on a GPU: what is timed is the call's Python
-(routing, launcher arithmetic, views, host allocations), without the compiled calls (kernel launches,
-their argument checks) that the GPU run adds. TVM-FFI's own argument passing is printed for scale
+but each compiled kernel is a no-op (msa_kernels.stand_ins) and nothing is allocated on a GPU: what is timed
+is the call's Python (routing, launcher arithmetic, views, host allocations), without the compiled calls
+(kernel launches, their argument checks) that the GPU run adds. TVM-FFI's own argument passing is printed for scale
 (tvm_ffi's testing.nop with the decode attention call's tensor count).
 """
 
 import argparse
+import contextlib
 import cProfile
-import importlib
 import io
-import pkgutil
 import pstats
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 
 from msa_kernels import ops
 from msa_kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
+from msa_kernels.stand_ins import no_op, stand_in_kernels
 
 REPO = str(Path(__file__).resolve().parents[2]) + "/"
 CONTEXT = 32768
@@ -110,8 +110,12 @@ def main():
     parser.add_argument("--python-only", action="store_true", help="CPU tensors, every compiled kernel a no-op")
     args = parser.parse_args()
     device = "cpu" if args.python_only else "cuda"
+    with stand_in_kernels(no_op) if args.python_only else contextlib.nullcontext():
+        measure(args, device)
+
+
+def measure(args: argparse.Namespace, device: str) -> None:
     if args.python_only:
-        kernels_as_no_ops()
         print(
             f"Python only (kernels no-ops, CPU tensors): {ops.describe(torch.device(device), torch.bfloat16, M3_SHAPE)}"
         )
@@ -154,24 +158,6 @@ def piece_calls() -> dict:
         "torch.empty on the GPU (32 x 64 x 128 fp32)": lambda: torch.empty(splits, hq, d, device="cuda"),
         "torch kernel launch (add_ on 4 floats)": lambda: tensor.add_(1),
     }
-
-
-def kernels_as_no_ops() -> None:
-    """ops as on a Hopper GPU (any device), each kernel of kernels/cute compiled to a no-op: what remains of a
-    layer call is its Python."""
-    import msa_kernels.cute as cute_kernels
-
-    def no_op(*args):
-        return None
-
-    ops._on_hopper = lambda device: True
-    ops._steps.cache_clear()
-    for info in pkgutil.iter_modules(cute_kernels.__path__):  # every launcher that compiles a kernel
-        module = importlib.import_module(f"msa_kernels.cute.{info.name}")
-        if hasattr(module, "compiled_kernel"):
-            module.compiled_kernel = lambda kernel_cls, params: no_op
-    sparse_attn = importlib.import_module("msa_kernels.cute.sparse_attn")
-    sparse_attn.num_sms = lambda device_index: 132  # the H200's
 
 
 def nop_call(tensors: int, device: str):
