@@ -83,6 +83,21 @@ def _on_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and _cute_available(device.index or 0)
 
 
+def unserved_reason(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> str | None:
+    """Why the CuTeDSL kernels leave steps of a layer of this shape and dtype to the PyTorch path on this CUDA device,
+    for the start-up warning: not a Hopper GPU, else the shape or dtype. None where CuTeDSL is not importable on a
+    Hopper GPU (_cute_available warned, naming the package)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the CuTeDSL kernels run on Hopper GPUs (compute capability 9.0), this GPU is {major}.{minor}"
+    if not _on_hopper(device):
+        return None
+    return (
+        f"the CuTeDSL kernels do not serve head_dim {shape.head_dim} / index_head_dim {shape.index_head_dim} with "
+        f"{shape.block_size}-token blocks in {dtype}"
+    )
+
+
 class Steps(NamedTuple):
     """The implementations of one phase's part: index scores, the same as top-k needs them (which reads each
     row's visible blocks only, so an implementation may leave the others unwritten; the decode kernels write them

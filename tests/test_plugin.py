@@ -3,6 +3,7 @@
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,31 @@ def test_fp8_kv_cache_is_refused_where_vllm_writes_another_fp8_type(monkeypatch)
     _, vllm_config = _fp8_cache_config("cuda")
     with pytest.raises(MSAConfigError, match="vLLM writes torch.float8_e4m3fnuz K/V pages on this platform"):
         _check_cache(vllm_config, MSAModelConfig.from_hf_config(_HF(msa_config=MSA)))
+
+
+@pytest.mark.parametrize(
+    "capability, importable, reason",
+    [
+        ((8, 0), True, "the CuTeDSL kernels run on Hopper GPUs \\(compute capability 9.0\\), this GPU is 8.0"),
+        ((10, 0), True, "this GPU is 10.0"),
+        ((9, 0), True, "do not serve head_dim 64 / index_head_dim 32 with 128-token blocks in torch.float16"),
+        ((9, 0), False, None),
+    ],
+)
+def test_the_start_up_warning_says_why_a_gpu_runs_the_pytorch_path(capability, importable, reason, monkeypatch):
+    """Another GPU than Hopper (FP8 caches included: no FP8 path of the kernels runs there) is named by its compute
+    capability; on Hopper the shape or dtype is; where CuTeDSL does not import, ops has warned already."""
+    from msa_kernels import ops
+    from msa_kernels.shapes import MSAShape
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(ops, "_on_hopper", lambda device: capability == (9, 0) and importable)
+    shape = MSAShape(8, 2, 64, 2, 1, 32, 4)
+    got = ops.unserved_reason(torch.device("cuda", 0), torch.float16, shape)
+    if reason is None:
+        assert got is None
+    else:
+        assert re.search(reason, got), got
 
 
 def test_fp8_index_key_pages_budget_values_and_scales():

@@ -387,8 +387,8 @@ def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int, fp8
 
 def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dense_layers: str) -> None:
     """The model's start-up log line: its MSA layers, what runs each step on this rank and the rank's heads,
-    then its dense layers (dense_layers: what runs them); a warning where the CuTeDSL kernels do not serve
-    the shape on a GPU."""
+    then its dense layers (dense_layers: what runs them); a warning naming why where the CuTeDSL kernels leave
+    steps to the PyTorch path on a GPU (ops.unserved_reason)."""
     tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
     layout = msa.rank_layout(hf_config, tp_size, tp_rank)
     device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
@@ -413,14 +413,9 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
     probe = torch.empty(0, device=device, dtype=dtype)
     kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=keys)  # decode: FP8 prefill warns in ops
     kernels_serve = kernels_serve and ops.uses_cute_sparse_attention(probe, shape)
-    if probe.is_cuda and not kernels_serve:
+    if probe.is_cuda and not kernels_serve and (reason := ops.unserved_reason(probe.device, dtype, shape)):
         logger.warning(
-            "FLASH_MSA: the CuTeDSL kernels do not serve head_dim %d / index_head_dim %d with %d-token blocks in "
-            "%s on this GPU; the steps named PyTorch above run the PyTorch path (same results, slower)",
-            shape.head_dim,
-            shape.index_head_dim,
-            shape.block_size,
-            dtype,
+            "FLASH_MSA: %s; the steps named PyTorch above run the PyTorch path (same results, slower)", reason
         )
 
 
