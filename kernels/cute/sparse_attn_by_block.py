@@ -44,9 +44,11 @@ from msa_kernels.cute.warpgroup_attention import (
     attention_mmas,
     gemm_pv,
     kv_cache_tma,
+    page_tiles,
     probabilities,
     query_row_copy,
     smem_atom,
+    transposed_pages,
     zero_rows_past,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
@@ -212,7 +214,7 @@ class BlockMajorAttentionKernel:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sVt = cute.composition(sV, cute.make_ordered_layout((p.head_dim, p.block_size, 1), order=(1, 0, 2)))
+        sVt = transposed_pages(sV, p.block_size, p.head_dim, 1)
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
             with cute.arch.elect_one():
@@ -223,12 +225,7 @@ class BlockMajorAttentionKernel:
         gKV = cute.local_tile(
             tma_kv[None, None, None, None, None], (p.block_size, p.head_dim), (0, 0, None, None, None)
         )
-        tKs, tKVg = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2)
-        )
-        tVs, _ = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gKV, 0, 2)
-        )
+        tKs, tVs, tKVg = page_tiles(tma_atom, gKV, sK, sV)
         thr_copy = row_copy.get_slice(tidx)
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)

@@ -43,9 +43,11 @@ from msa_kernels.cute.warpgroup_attention import (
     attention_mmas,
     gemm_pv,
     kv_cache_tma,
+    page_tiles,
     probabilities,
     query_row_copy,
     smem_atom,
+    transposed_pages,
     zero_rows_past,
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
@@ -237,7 +239,7 @@ class PrefillAttentionKernel:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sVt = cute.composition(sV, cute.make_ordered_layout((p.head_dim, p.block_size, p.stages), order=(1, 0, 2)))
+        sVt = transposed_pages(sV, p.block_size, p.head_dim, p.stages)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
@@ -291,12 +293,7 @@ class PrefillAttentionKernel:
         cute.arch.sync_threads()
 
         gKV = cute.local_tile(tma_kv[None, None, kv_head, None, None], (p.block_size, p.head_dim), (0, 0, None, None))
-        tKs, tKVg = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2)
-        )
-        tVs, _ = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gKV, 0, 2)
-        )
+        tKs, tVs, tKVg = page_tiles(tma_atom, gKV, sK, sV)
         if warp == 0:
             for s in cutlass.range_constexpr(p.stages):
                 if s < union_size:

@@ -1,8 +1,8 @@
 """What the two prefill attention kernels on warpgroup MMAs share (sparse_attn_prefill.py: a tile of tokens over
 the union of their blocks; sparse_attn_by_block.py: one page over the tokens that chose it): a warpgroup's 64
 MMA rows (tokens x the query heads of one index head), S = Q K^T and O += P V on warpgroup MMAs, one TMA
-descriptor over the whole paged K/V cache, the 16-byte copy of query rows, and zeroing a page's V rows past the
-request.
+descriptor over the whole paged K/V cache and the page tiles it copies into shared memory (V read transposed),
+the 16-byte copy of query rows, and zeroing a page's V rows past the request.
 """
 
 import cutlass
@@ -49,6 +49,24 @@ def kv_cache_tma(kv_cache: cute.Tensor, kv_layout: cute.ComposedLayout, block_si
     return cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), kv_view, cute.select(kv_layout, mode=[0, 1]), (block_size, head_dim)
     )
+
+
+def page_tiles(tma_atom: cute.CopyAtom, g_kv: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor):
+    """(K stages, V stages, global pages) partitioned for the TMA copy of one (B, D) page tile: g_kv is the cache's
+    tiles with the page's modes left open (kv_cache_tma's tensor, local-tiled), s_k / s_v the shared (B, D, stages)
+    rings; a load copies the global pages' [None, ..., page] into a ring's [None, stage]."""
+    t_k, t_kv = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(s_k, 0, 2), cute.group_modes(g_kv, 0, 2)
+    )
+    t_v, _ = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(s_v, 0, 2), cute.group_modes(g_kv, 0, 2)
+    )
+    return t_k, t_v, t_kv
+
+
+def transposed_pages(s_v: cute.Tensor, block_size: int, head_dim: int, stages: int) -> cute.Tensor:
+    """The shared (B, D, stages) V ring read as V^T (D, B, stages): P V's B operand."""
+    return cute.composition(s_v, cute.make_ordered_layout((head_dim, block_size, stages), order=(1, 0, 2)))
 
 
 def query_row_copy(head_dim: int) -> cute.TiledCopy:
