@@ -19,6 +19,7 @@ from msa_kernels.fp8_index_keys import (
 )
 from msa_kernels.ops import msa_attention
 from msa_kernels.shapes import MSAShape
+from msa_kernels.stand_ins import no_op, stand_in_kernels
 from msa_kernels.testing import make_case, small_shape
 from tests.naive_msa import naive_msa
 
@@ -132,16 +133,11 @@ def test_fp8_scores_stay_within_the_e4m3_bound_of_bf16_scores_and_mostly_select_
 
 
 @pytest.fixture
-def on_hopper(monkeypatch):
-    """msa_kernels.ops as on a Hopper GPU with CuTeDSL (the kernels' modules import without a GPU); its choices
-    are cached per process, so the caches are emptied before and after."""
-    monkeypatch.setattr(ops, "_on_hopper", lambda device: True)
-    caches = (ops._steps, ops._index_key_writer, ops._warn_fp8_index_keys_run_the_reference)
-    for cache in caches:
-        cache.cache_clear()
-    yield
-    for cache in caches:
-        cache.cache_clear()
+def on_hopper():
+    """msa_kernels.ops as on a Hopper GPU with CuTeDSL (the kernels' modules import without a GPU; stand_in_kernels
+    empties the per-process caches of its choices before and after, and launches nothing)."""
+    with stand_in_kernels(no_op):
+        yield
 
 
 def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_where_unserved_with_one_warning(
