@@ -22,6 +22,10 @@ sanitize=(compute-sanitizer --report-api-errors no)
 # kernel variants on the host (1-4 s each), which the machine's 16 cores do side by side; one GPU runs them all.
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+# The trained pass-key model's selections (python -m training.trained_selections models/needle-msa, carried):
+# sweep_prefill adds them to its problems.
+trained=()
+[ -f runs/trained-selections.pt ] && trained=(--trained runs/trained-selections.pt)
 
 run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then its last summary line
   local name=$1 limit=$2
@@ -38,14 +42,16 @@ check() {  # NAME: run one named check
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
     topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
-    sparse) run bench_sparse_attention 300 python3 kernels/bench/bench_sparse_attention.py ;;
+    # decode sections: the prefill attention's candidates are sweep_prefill's
+    sparse) run bench_sparse_attention 300 python3 kernels/bench/bench_sparse_attention.py --sections decode fp8_kv \
+      splits ;;
     index) run bench_index_scores 150 python3 kernels/bench/bench_index_scores.py ;;
     prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
     prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
       --new-tokens 16384 ;;
-    sweep_prefill) run sweep_prefill_attention 300 python3 kernels/bench/sweep_prefill_attention.py ;;
-    peers) run bench_vs_vllm_m3 150 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
-    long) run bench_long_decode 150 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
+    sweep_prefill) run sweep_prefill_attention 300 python3 kernels/bench/sweep_prefill_attention.py "${trained[@]}" ;;
+    peers) run bench_vs_vllm_m3 300 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
+    long) run bench_long_decode 240 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
     host) run bench_host_overhead 120 python3 kernels/bench/bench_host_overhead.py ;;
     # Nsight Compute on the prefill index-score kernel at 32K: bench_prefill_index.py times the bf16 kernel with

