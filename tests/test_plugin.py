@@ -97,6 +97,10 @@ def test_msa_config_parses_and_builds_layer_shapes():
         (MSA | {"topk_blocks": "4"}, "msa_config.topk_blocks must be an integer"),
         (MSA | {"num_index_heads": 3}, "num_index_heads 3 must be a multiple of num_kv_heads 2"),
         (MSA | {"dense_layers": [7]}, r"dense_layers \[7\] outside 0..3"),
+        (MSA | {"dense_layers": "12"}, "msa_config.dense_layers must be a list of layer indices, got '12'"),
+        (MSA | {"dense_layers": [0, "1"]}, r"msa_config.dense_layers must be a list of layer indices, got \[0, '1'\]"),
+        (MSA | {"local_blocks": True}, "msa_config.local_blocks must be an integer, got True"),
+        (MSA | {"indexer_kv_dtype": 8}, "msa_config.indexer_kv_dtype must be a string, got 8"),
         (
             MSA | {"indexer_kv_dtype": "nvfp4"},
             r"msa_config.indexer_kv_dtype 'nvfp4' is not served: FLASH_MSA keeps index keys as one of "

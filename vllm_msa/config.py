@@ -45,6 +45,11 @@ INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_
 SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
 
 
+def _is_int(value) -> bool:
+    """A JSON integer (bool is an int to Python, not to a config)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class MSAConfigError(ValueError):
     """A checkpoint's MSA fields cannot be served; the message names the field and the fix."""
 
@@ -77,11 +82,15 @@ class MSAModelConfig:
         if required:
             raise MSAConfigError(f"msa_config is missing {required}")
         values = dict(raw)
-        values["dense_layers"] = tuple(int(i) for i in raw.get("dense_layers", ()))
         for name, value in values.items():
-            if name in ("dense_layers", "indexer_kv_dtype"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
+            if name == "dense_layers":
+                if not isinstance(value, list) or not all(_is_int(i) for i in value):
+                    raise MSAConfigError(f"msa_config.dense_layers must be a list of layer indices, got {value!r}")
+                values[name] = tuple(value)
+            elif name == "indexer_kv_dtype":
+                if not isinstance(value, str):
+                    raise MSAConfigError(f"msa_config.indexer_kv_dtype must be a string, got {value!r}")
+            elif not _is_int(value):
                 raise MSAConfigError(f"msa_config.{name} must be an integer, got {value!r}")
         if values.get("indexer_kv_dtype", "auto") not in SERVED_INDEXER_KV_DTYPES:
             raise MSAConfigError(
