@@ -1,6 +1,6 @@
 """MSA in plain PyTorch on paged caches: the function every kernel must compute, and the CPU path.
 
-Three steps, as in ../shared/MSA_SPEC.md (msa_kernels.ops.msa_attention composes them), each for any
+Three steps, as in docs/MSA_SPEC.md (msa_kernels.ops.msa_attention composes them), each for any
 batch (decode, prefill or a mix of both):
   index_block_scores  index queries x paged index keys, causal, max-pooled per block
   topk_blocks         top-k blocks per (token, index head), local/init blocks forced, -1 padded

@@ -1,7 +1,7 @@
 """The shape parameters of one MSA layer and the paged batch it runs on.
 
 Every MSA implementation (the PyTorch reference, the CuTeDSL kernels) takes these two objects, so
-callers describe a layer and a batch once. The math is in ../shared/MSA_SPEC.md.
+callers describe a layer and a batch once. The math is in docs/MSA_SPEC.md.
 
 A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split,
 decodes first as vLLM's scheduler orders them); msa_kernels.ops picks each part's kernels by its phase.

@@ -2,7 +2,7 @@
 
 Everything but attention is vLLM's Llama (embeddings, RMSNorm, SwiGLU MLP, LM head, weight loading).
 Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend.
-MSA layers add the index branch of ../shared/MSA_SPEC.md:
+MSA layers add the index branch of docs/MSA_SPEC.md:
     index_q = RoPE(RMSNorm(index_q_proj(x)))  [T, Hi, Dp]     index_k = RoPE(RMSNorm(index_k_proj(x)))  [T, Hki, Dp]
 and attend through MSAAttention (FLASH_MSA). On a GPU, shapes the CuTeDSL kernels do not serve run
 the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama plus
