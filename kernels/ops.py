@@ -17,9 +17,8 @@ else the PyTorch reference (kernels/reference.py):
     index scores      index_scores.py (bf16 keys),         index_scores_prefill.py (bf16 or FP8 keys),
                       index_scores_fp8.py (FP8 keys)       then as in decode
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
-    sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (+ sparse_attn.py,
-                      combine.py (K/V cache contiguous)    gated, for the tiles it leaves),
-                                                           sparse_attn.py (K/V cache contiguous)
+    sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py, where it serves the shape,
+                      combine.py (K/V cache contiguous)    else sparse_attn.py (K/V cache contiguous)
                       (an FP8 K/V cache: sparse_attn.py in both phases; a strided K/V cache: the reference)
 
 A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each

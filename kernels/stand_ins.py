@@ -30,6 +30,7 @@ def no_op(kernel_cls: type, params) -> Callable:
 class Launch(NamedTuple):
     kernel: str  # the kernel class's name
     params: object
+    args: tuple  # what the launcher passed (tensors and scalars, the stream left out)
 
 
 class SignatureCheck:
@@ -45,7 +46,7 @@ class SignatureCheck:
 
         def launch(*args):
             check_arguments(name, symbolic, args)
-            self.launches.append(Launch(name, params))
+            self.launches.append(Launch(name, params, args))
 
         return launch
 

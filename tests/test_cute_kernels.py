@@ -1,6 +1,5 @@
 """CuTeDSL kernels: compile every variant for sm_90a everywhere (CI has no GPU), match the reference on a GPU."""
 
-import functools
 import os
 from dataclasses import replace
 
@@ -11,10 +10,12 @@ from msa_kernels import reference
 from msa_kernels.bench.problems import M3_SHAPE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes, quantize_rows
 from msa_kernels.shapes import MSAShape
-from msa_kernels.stand_ins import SignatureCheck, stand_in_kernels
+from msa_kernels.stand_ins import SignatureCheck, check_arguments, stand_in_kernels
 from msa_kernels.testing import make_case
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+import cutlass
 
 from msa_kernels.cute import (
     fp8_index_key_write,
@@ -22,18 +23,17 @@ from msa_kernels.cute import (
     index_scores_fp8,
     index_scores_prefill,
     sparse_attn,
-    sparse_attn_by_block,
     sparse_attn_prefill,
     topk_blocks,
 )
 from msa_kernels.cute.combine import CombineKernel, CombineParams
+from msa_kernels.cute.fake import row_major
 from msa_kernels.cute.fp8_index_key_write import Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
-from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel, BlockMajorParams, block_major_items
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
 from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
 
@@ -151,30 +151,16 @@ ATTENTION_PARAMS = [(64, 4, 4, 128), (8, 2, 4, 32), (48, 4, 4, 128), (64, 2, 2, 
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize("split, gated", [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("warps", [1, 4])
-def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, gated, warps, sm90a):
-    if not sparse_attn.warps_can_share_tile(warps, d):
-        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
-    params = SparseAttentionParams(hq, hkv, hi, d, split=split, gated=gated, warps=warps)
+@pytest.mark.parametrize("split", [False, True])
+def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
+    params = SparseAttentionParams(hq, hkv, hi, d, split=split)
     compiles_and_caches(SparseAttentionKernel, params, sm90a)
-
-
-def test_warps_share_a_tile_in_whole_mma_tiles_of_64_column_head_dims():
-    assert sparse_attn.warps_can_share_tile(1, 32) and sparse_attn.warps_can_share_tile(4, 64)
-    assert sparse_attn.warps_can_share_tile(4, 128) and sparse_attn.warps_can_share_tile(2, 192)
-    assert not sparse_attn.warps_can_share_tile(4, 32)  # 8 output columns a warp
-    assert not sparse_attn.warps_can_share_tile(2, 96)  # 16-row Q copies of 32-column rows
-    assert not sparse_attn.warps_can_share_tile(8, 128)  # 8 keys of a 64-key tile a warp
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", [(64, 4, 4, 128), (8, 2, 4, 32)])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("warps", [1, 4])
-def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, warps, sm90a):
-    if not sparse_attn.warps_can_share_tile(warps, d):
-        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
-    params = SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True, warps=warps)
+def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
+    params = SparseAttentionParams(hq, hkv, hi, d, split=split, fp8_kv=True)
     compiles_and_caches(SparseAttentionKernel, params, sm90a)
 
 
@@ -194,67 +180,13 @@ def test_prefill_attention_serves_m3_and_refuses_what_it_cannot_tile():
 
 
 @pytest.mark.parametrize("hq, hkv, hi, d", PREFILL_PARAMS)
-@pytest.mark.parametrize("warpgroups", [1, 2])
-def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, warpgroups, sm90a):
-    params = PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16, warpgroups=warpgroups)
-    if params.tokens_per_tile > sparse_attn_prefill.MAX_TILE_TOKENS:
-        pytest.skip(f"{params.tokens_per_tile} tokens a tile")
-    compiles_and_caches(PrefillAttentionKernel, params, sm90a)
+def test_prefill_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
+    compiles_and_caches(PrefillAttentionKernel, PrefillAttentionParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
 
 
 @pytest.mark.parametrize("hq, d, splits", [(64, 128, 32), (64, 128, 2), (8, 32, 64)])
 def test_combine_kernel_compiles_for_sm90a(hq, d, splits, sm90a):
     compiles_and_caches(CombineKernel, CombineParams(hq, d, splits), sm90a)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-def test_combine_kernel_with_bf16_partials_compiles_for_sm90a(gated, sm90a):
-    compiles_and_caches(CombineKernel, CombineParams(64, 128, 16, bf16_partials=True, gated=gated), sm90a)
-
-
-BY_BLOCK_PARAMS = [
-    p for p in ATTENTION_PARAMS if BlockMajorAttentionKernel.can_implement(torch.bfloat16, p[0], p[2], p[3], 128)
-]
-
-
-def test_block_major_attention_serves_m3_and_refuses_what_it_cannot_tile():
-    assert BY_BLOCK_PARAMS == [(64, 4, 4, 128), (64, 2, 2, 64)]  # m = 16 (D 128), 32 (D 64)
-    assert not BlockMajorAttentionKernel.can_implement(torch.bfloat16, 48, 4, 128, 128)  # m = 12 does not divide 64
-    assert not BlockMajorAttentionKernel.can_implement(torch.bfloat16, 32, 4, 64, 128)  # m = 8: half a 16-row step
-    assert not BlockMajorAttentionKernel.can_implement(torch.float16, 64, 4, 128, 128)
-
-
-@pytest.mark.parametrize("hq, hkv, hi, d", BY_BLOCK_PARAMS)
-def test_block_major_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, sm90a):
-    compiles_and_caches(BlockMajorAttentionKernel, BlockMajorParams(hq, hkv, hi, d, topk_blocks=16), sm90a)
-
-
-@pytest.mark.parametrize("tokens_per_item", [1, 3, 32])
-@pytest.mark.parametrize("gated", [False, True])
-def test_block_major_items_cover_every_selection_once_in_runs_of_one_block(tokens_per_item, gated):
-    """Three requests of 20, 20 and 10 tokens, two index heads, 4 slots of 12 blocks, some empty (-1); gated: the
-    (token, index head)s a handled mask marks are left out."""
-    num_tokens, num_heads, k, max_blocks = 50, 2, 4, 12
-    g = torch.Generator().manual_seed(tokens_per_item)
-    selected = torch.stack([torch.randperm(max_blocks, generator=g)[:k] for _ in range(num_tokens * num_heads)])
-    selected = selected.view(num_tokens, num_heads, k).sort(-1).values.int()
-    selected[torch.rand(selected.shape, generator=g) < 0.2] = -1
-    token_requests = (torch.arange(num_tokens) // 20).int()
-    handled = (torch.rand(num_tokens, num_heads, generator=g) < 0.5).int() if gated else None
-    order, item_first, count = block_major_items(selected, token_requests, max_blocks, tokens_per_item, handled)
-    if gated:
-        selected = selected.masked_fill(handled[..., None] != 0, -1)  # what the items must cover
-    flat, items = selected.reshape(-1), count.item()
-    covered = []
-    for w in range(items):
-        entries = order[item_first[w] : item_first[w + 1]].long()
-        assert 1 <= len(entries) <= tokens_per_item
-        tokens, heads = entries // (num_heads * k), (entries // k) % num_heads
-        assert len(set(zip(token_requests[tokens].tolist(), heads.tolist(), flat[entries].tolist()))) == 1
-        assert flat[entries[0]] >= 0 and (tokens.diff() > 0).all()  # one block; each token once, ascending
-        covered += entries.tolist()
-    assert sorted(covered) == (flat >= 0).nonzero().flatten().tolist()
-    assert (item_first[items:] == (flat >= 0).sum()).all()
 
 
 TOPK_PARAMS = [(16, 1, 0), (4, 1, 0), (8, 2, 1), (5, 3, 2)]  # (K, L, I): M3, the demo, init + local variants
@@ -286,7 +218,7 @@ def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
     compile_kernel = compiled_kernel.__wrapped__
     for combine in (compile_kernel(CombineKernel, params), compile_kernel(CombineKernel, params)):  # the 2nd loads
         with pytest.raises(ValueError, match="Misaligned Tensor data on argument #0.*alignment=16 bytes"):
-            combine(misaligned, lse, out, None)  # not gated: no handled flags
+            combine(misaligned, lse, out)
 
 
 # The launchers on any machine: each compiled kernel a stand-in that checks what it is passed against the kernel's
@@ -326,7 +258,7 @@ def test_a_layer_call_passes_each_kernel_what_its_signature_takes(batch_name, in
     index_kernel = {"bf16": "IndexScoreKernel", "fp8": "Fp8IndexScoreKernel"}[index_keys]
     want = {
         "decode": {index_kernel, "TopkBlocksKernel", "SparseAttentionKernel", "CombineKernel"},
-        "prefill": {"PrefillIndexScoreKernel", "TopkBlocksKernel", "PrefillAttentionKernel", "SparseAttentionKernel"},
+        "prefill": {"PrefillIndexScoreKernel", "TopkBlocksKernel", "PrefillAttentionKernel"},
     }
     want["mixed"] = want["decode"] | want["prefill"]
     assert set(launches.kernels()) == want[batch_name]
@@ -348,37 +280,30 @@ def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launch
     assert attention and all(params.fp8_kv for params in attention)
 
 
-@pytest.mark.parametrize("warpgroups, stages", [(1, 1), (2, 2)])
-@pytest.mark.parametrize("leftovers", ["per_token", "by_block"])
-def test_the_prefill_attention_and_the_kernels_for_its_leftovers_take_what_they_are_passed(
-    warpgroups, stages, leftovers, launches, monkeypatch
-):
+def test_the_prefill_attention_takes_every_tile(launches):
+    """One launch, with a union bound no tile reaches (a tile's union has at most `candidates` blocks)."""
     case = launch_case("prefill")
     selected = case.reference_selection()
-    monkeypatch.setattr(sparse_attn_by_block, "PARTIAL_BYTES", 100 * M3_SHAPE.topk_blocks * 64 * 128 * 2)
-    sparse_attn_prefill.prefill_sparse_attention(
-        case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q),
-        stages=stages, warpgroups=warpgroups, leftovers=leftovers, warps=4,
-    )  # fmt: skip
-    if leftovers == "per_token":
-        assert launches.kernels() == ["PrefillAttentionKernel", "SparseAttentionKernel"]
-        assert launches.launches[1].params.gated and launches.launches[1].params.warps == 4
-    else:  # 370 tokens in runs of 100: each run's partials merged, gated on the prefill kernel's flags
-        assert launches.kernels() == ["PrefillAttentionKernel"] + ["BlockMajorAttentionKernel", "CombineKernel"] * 4
-        combine = launches.launches[2].params
-        assert combine.bf16_partials and combine.gated and combine.splits == M3_SHAPE.topk_blocks
+    out = torch.empty_like(case.q)
+    sparse_attn_prefill.prefill_sparse_attention(case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, out)
+    assert launches.kernels() == ["PrefillAttentionKernel"]
+    [launch] = launches.launches
+    assert launch.args[-2] == launch.params.candidates == 4 * M3_SHAPE.topk_blocks
 
 
 def test_the_decode_variants_take_what_they_are_passed(launches):
-    """Four warps sharing a decode tile, 16 index-key elements a lane, top-k rows of a warp and of 1024 threads."""
+    """16 index-key elements a lane for a single token, 8 for more; top-k rows of a warp and of 1024 threads."""
     case = launch_case("decode")
-    selected = case.reference_selection()
-    sparse_attn.sparse_attention(case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, warps=4)
-    scores = index_scores.index_block_scores(case.index_q, case.index_key_cache, case.batch, M3_SHAPE, lane_elems=16)
-    for threads in (32, 1024):
-        topk_blocks.topk_blocks(scores, case.batch.positions, M3_SHAPE, threads=threads)
-    decode_layer = ["SparseAttentionKernel", "CombineKernel", "IndexScoreKernel", "TopkBlocksKernel"]
-    assert launches.kernels() == decode_layer + ["TopkBlocksKernel"]
+    one = case.batch.token_chunks(1)[0][1]  # the first decode token alone
+    for batch in (case.batch, one):
+        scores = index_scores.index_block_scores(
+            case.index_q[: batch.num_tokens], case.index_key_cache, batch, M3_SHAPE
+        )
+        for threads in (32, 1024):
+            topk_blocks.topk_blocks(scores, batch.positions, M3_SHAPE, threads=threads)
+    assert launches.kernels() == ["IndexScoreKernel", "TopkBlocksKernel", "TopkBlocksKernel"] * 2
+    lanes = [launch.params.lane_elems for launch in launches.launches if launch.kernel == "IndexScoreKernel"]
+    assert lanes == [8, 16] and case.batch.num_tokens > 1
 
 
 def test_fp8_index_key_writes_take_what_they_are_passed(launches):
@@ -392,20 +317,22 @@ def test_fp8_index_key_writes_take_what_they_are_passed(launches):
 
 
 def test_the_signature_check_refuses_what_a_compiled_kernel_would():
-    """The stand-in fails where the GPU would: swapped, missing, misaligned and mistyped arguments."""
+    """The stand-in fails where the GPU would: swapped, missing, misaligned and mistyped arguments, and a tensor
+    where the kernel takes None (as the bf16 prefill index kernel does for the FP8 scales)."""
     kernel = SignatureCheck()(CombineKernel, CombineParams(8, 32, 2))
     partial, lse, out = torch.zeros(2, 3, 8, 32), torch.zeros(2, 3, 8), torch.zeros(3, 8, 32, dtype=torch.bfloat16)
-    kernel(partial, lse, out, None)
+    kernel(partial, lse, out)
     misaligned = torch.zeros(2 * 3 * 8 * 32 + 1)[1:].view(2, 3, 8, 32)
     for args, error in [
-        ((lse, partial, out, None), "argument 0: rank 4"),
-        ((partial, lse, out), "3 arguments, the kernel takes 4"),
-        ((misaligned, lse, out, None), "argument 0: base not 16-byte aligned"),
-        ((partial, lse, out.float(), None), "argument 2: torch.bfloat16 expected"),
-        ((partial, lse, out, torch.zeros(3, 1, dtype=torch.int32)), "argument 3: None expected"),
+        ((lse, partial, out), "argument 0: rank 4"),
+        ((partial, lse), "2 arguments, the kernel takes 3"),
+        ((misaligned, lse, out), "argument 0: base not 16-byte aligned"),
+        ((partial, lse, out.float()), "argument 2: torch.bfloat16 expected"),
     ]:
         with pytest.raises(AssertionError, match=error):
             kernel(*args)
+    with pytest.raises(AssertionError, match="PrefillIndexScoreKernel argument 1: None expected, got Tensor"):
+        check_arguments("PrefillIndexScoreKernel", [row_major(cutlass.Float32, 1), None], (lse[0, 0], lse[0]))
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -441,13 +368,14 @@ def index_score_shape(hi: int, hki: int, dp: int) -> MSAShape:
 @pytest.mark.parametrize(
     "phase, lane_elems", [("decode", 8), ("decode", 16), ("prefill", None)], ids=["decode", "decode_16", "prefill"]
 )
-def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase, lane_elems):
+def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase, lane_elems, monkeypatch):
     """decode_16: the decode kernel with 16 key elements a lane (IndexScoreParams.lane_elems)."""
     shape = index_score_shape(hi, hki, dp)
     q_lens, seq_lens = CASES[case_name]
     case = make_case(shape, q_lens, seq_lens, dtype=torch.bfloat16, device="cuda", seed=hi * 100 + dp)
-    if phase == "decode":
-        launch = functools.partial(index_scores.index_block_scores, lane_elems=lane_elems)
+    if phase == "decode":  # 16 elements a lane serve a single token: here every batch, to cover both
+        monkeypatch.setattr(index_scores, "lane_elems_for", lambda num_tokens: lane_elems)
+        launch = index_scores.index_block_scores
     else:
         launch = index_scores_prefill.prefill_index_block_scores
     got = launch(case.index_q, case.index_key_cache, case.batch, shape)
@@ -703,95 +631,6 @@ ATTENTION_CASES = {
 }
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_name", ATTENTION_CASES)
-@pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
-@pytest.mark.parametrize(
-    "kernel, max_union, warps, warpgroups",
-    [
-        ("per_token", None, 1, 1),
-        ("per_token", None, 4, 1),
-        ("prefill", 10**6, 1, 1),
-        ("prefill", 10**6, 1, 2),
-        ("prefill", 24, 1, 1),
-        ("prefill", 24, 4, 1),
-        ("prefill", 48, 1, 2),
-        ("by_block", None, 1, 1),
-        ("prefill_and_by_block", 24, 1, 1),
-    ],
-    ids=[
-        "per_token",
-        "per_token_4_warps",
-        "prefill",
-        "prefill_2_warpgroups",
-        "prefill_and_per_token",
-        "prefill_and_per_token_4_warps",
-        "prefill_2_warpgroups_and_per_token",
-        "by_block",
-        "prefill_and_by_block",
-    ],
-)
-def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel, max_union, warps, warpgroups):
-    """4_warps: four warps a CTA share each K/V tile of the per-token kernel; 2_warpgroups: two warpgroups a CTA
-    of the prefill kernel share each page; and_per_token: tiles whose union has more than 24 blocks (48 for two
-    warpgroups' tiles) go to the per-token kernel; by_block: sparse_attn_by_block.py, alone or for those tiles."""
-    if kernel.startswith("prefill") and (hq, hkv, hi, d) not in PREFILL_PARAMS:
-        pytest.skip("the prefill kernel does not serve this shape")
-    if kernel.endswith("by_block") and (hq, hkv, hi, d) not in BY_BLOCK_PARAMS:
-        pytest.skip("the block-major kernel does not serve this shape")
-    if not sparse_attn.warps_can_share_tile(warps, d):
-        pytest.skip(f"{warps} warps cannot share a tile of head dim {d}")
-    if warpgroups * (64 // (hq // hi)) > sparse_attn_prefill.MAX_TILE_TOKENS:
-        pytest.skip(f"{warpgroups} warpgroups of {64 // (hq // hi)} tokens pass the tile's token limit")
-    shape, case = attention_case(case_name, hq, hkv, hi, d)
-    selected = case.reference_selection()
-    out = torch.full_like(case.q, float("nan"))
-    if kernel == "per_token":
-        got = sparse_attn.sparse_attention(
-            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out, warps=warps
-        )
-    elif kernel == "by_block":
-        got = sparse_attn_by_block.prefill_sparse_attention_by_block(
-            case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out
-        )
-    else:
-        got = sparse_attn_prefill.prefill_sparse_attention(
-            case.q,
-            case.kv_cache,
-            case.batch,
-            selected,
-            shape,
-            case.scale,
-            out=out,
-            max_union=max_union,
-            warps=warps,
-            warpgroups=warpgroups,
-            leftovers="by_block" if kernel == "prefill_and_by_block" else "per_token",
-        )
-    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
-    assert_close_to_float64(got, want)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_name", ["prefill_ragged", "chunked_prefill_long"])
-def test_block_major_attention_in_runs_of_tokens_matches_reference(case_name, monkeypatch):
-    """Partials for 100 tokens at a time (PARTIAL_BYTES lowered): runs that cut requests, each merged into its
-    rows of the output."""
-    hq, hkv, hi, d = 64, 4, 4, 128
-    shape, case = attention_case(case_name, hq, hkv, hi, d)
-    monkeypatch.setattr(sparse_attn_by_block, "PARTIAL_BYTES", 100 * shape.topk_blocks * hq * d * 2)
-    selected = case.reference_selection()
-    out = torch.full_like(case.q, float("nan"))
-    got = sparse_attn_by_block.prefill_sparse_attention_by_block(
-        case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out
-    )
-    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
-    assert got.data_ptr() == out.data_ptr()
-    assert_close_to_float64(got, want)
-
-
 def attention_case(case_name: str, hq: int, hkv: int, hi: int, d: int):
     """(shape, bf16 case on the GPU) of one of ATTENTION_CASES with these head counts, 16 blocks selected."""
     shape = MSAShape(
@@ -819,6 +658,24 @@ def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ATTENTION_CASES)
 @pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
+@pytest.mark.parametrize("kernel", ["per_token", "prefill"])
+def test_sparse_attention_kernel_matches_reference(case_name, hq, hkv, hi, d, kernel):
+    """per_token: sparse_attn.py (split-K for decode tokens); prefill: sparse_attn_prefill.py (every tile)."""
+    if kernel == "prefill" and (hq, hkv, hi, d) not in PREFILL_PARAMS:
+        pytest.skip("the prefill kernel does not serve this shape")
+    shape, case = attention_case(case_name, hq, hkv, hi, d)
+    selected = case.reference_selection()
+    out = torch.full_like(case.q, float("nan"))
+    attend = {"per_token": sparse_attn.sparse_attention, "prefill": sparse_attn_prefill.prefill_sparse_attention}
+    got = attend[kernel](case.q, case.kv_cache, case.batch, selected, shape, case.scale, out=out)
+    want = reference.sparse_attention(case.q.double(), case.kv_cache.double(), case.batch, selected, shape, case.scale)
+    assert_close_to_float64(got, want)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ATTENTION_CASES)
+@pytest.mark.parametrize("hq, hkv, hi, d", ATTENTION_PARAMS)
 def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d):
     """e4m3 pages with per-tensor scales (NaN bytes in unowned slots), through ops as a served layer's decode and
     prefill parts call it, against the reference's e4m3 x scale in float64."""
@@ -836,12 +693,6 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     )
     assert got.data_ptr() == out.data_ptr()
     assert_close_to_float64(got, want)
-    if sparse_attn.warps_can_share_tile(4, d):  # four warps sharing each tile, widening e4m3 together
-        out.fill_(float("nan"))
-        sparse_attn.sparse_attention(
-            case.q, fp8, case.batch, selected, shape, case.scale, out=out, kv_scales=kv_scales, warps=4
-        )
-        assert_close_to_float64(out, want)
 
 
 @gpu

@@ -5,7 +5,7 @@
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
-#     [prefill_1m] [sweep_prefill] [peers] [long] [host] [profile_prefill]
+#     [prefill_1m] [prefill_attention] [peers] [long] [host] [profile_prefill]
 # (none named: tests+dense+memcheck, within one device call; the others in later calls).
 # Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
@@ -23,7 +23,7 @@ sanitize=(compute-sanitizer --report-api-errors no)
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
 # The trained pass-key model's selections (python -m training.trained_selections models/needle-msa, carried):
-# sweep_prefill adds them to its problems.
+# prefill_attention adds them to its problems.
 trained=()
 [ -f runs/trained-selections.pt ] && trained=(--trained runs/trained-selections.pt)
 
@@ -42,14 +42,14 @@ check() {  # NAME: run one named check
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
     topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
-    # decode sections: the prefill attention's candidates are sweep_prefill's
+    # decode sections (the prefill attention: prefill_attention, and peers)
     sparse) run bench_sparse_attention 300 python3 kernels/bench/bench_sparse_attention.py --sections decode fp8_kv \
       splits ;;
     index) run bench_index_scores 150 python3 kernels/bench/bench_index_scores.py ;;
     prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
     prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
       --new-tokens 16384 ;;
-    sweep_prefill) run sweep_prefill_attention 300 python3 kernels/bench/sweep_prefill_attention.py "${trained[@]}" ;;
+    prefill_attention) run bench_prefill_attention 300 python3 kernels/bench/bench_prefill_attention.py "${trained[@]}" ;;
     peers) run bench_vs_vllm_m3 300 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
     long) run bench_long_decode 240 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
@@ -60,12 +60,12 @@ check() {  # NAME: run one named check
       --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section InstructionStats python3 kernels/bench/bench_prefill_index.py --contexts 32768 ;;
-    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m sweep_prefill peers" \
+    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m prefill_attention peers" \
       "long host profile_prefill)" >&2; return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || set -- tests+dense+memcheck
+[ $# -gt 0 ] || set -- tests dense+memcheck
 for group in "$@"; do
   IFS=+ read -ra together <<< "$group"
   for name in "${together[@]}"; do check "$name" & done

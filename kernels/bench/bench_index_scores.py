@@ -9,7 +9,7 @@ kernels/cute/index_scores_fp8.py) in the same run. Bytes
 per call are the kernel's required traffic: contexts * Dp * 2 (bf16 keys), contexts * (Dp + 4) (e4m3 keys
 and their float32 scales). The layer columns replay the layer from a CUDA graph (as vLLM's decode runs it),
 index keys bf16 and FP8, K/V bf16; "layer fp8/bf16" is issue 17's decode target (<= 0.6 at 128K x 32).
-"16/lane": the bf16 kernel with 16 key elements a lane (IndexScoreParams.lane_elems; serving runs LANE_ELEMS).
+The bf16 kernel loads 16 key elements a lane for a single token and 8 for more (index_scores.lane_elems_for).
 """
 
 import time
@@ -27,7 +27,6 @@ def main():
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write)")
     print(
         f"{'context':>8} {'batch':>5} {'cute us':>9} {'torch us':>9} {'speedup':>8} {'GB/s':>8} {'% copy bw':>9} "
-        f"{'16/lane us':>10} {'16 % bw':>8} "
         f"{'fp8 us':>9} {'fp8/bf16':>8} {'fp8 GB/s':>8} {'fp8 % bw':>9} "
         f"{'layer us':>9} {'layer fp8 us':>12} {'layer fp8/bf16':>14}"
     )
@@ -37,7 +36,6 @@ def main():
             pb, attn_q, q, kv, index_keys, _ = paged_problem([(context, 1)] * batch)
             fp8_keys = Fp8IndexKeyCache.quantize(index_keys)
             t_cute = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=20)
-            t_16 = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE, lane_elems=16), iters=20)
             t_fp8 = timed(lambda: index_scores_fp8.fp8_index_block_scores(q, fp8_keys, pb, M3_SHAPE), iters=20)
             t_ref = timed(lambda: reference.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=3)
             layer = [
@@ -49,7 +47,6 @@ def main():
             print(
                 f"{context:>8} {batch:>5} {t_cute * 1e6:>9.1f} {t_ref * 1e6:>9.1f} {t_ref / t_cute:>8.1f} "
                 f"{nbytes / t_cute / 1e9:>8.0f} {100 * nbytes / t_cute / bw:>8.0f}% "
-                f"{t_16 * 1e6:>10.1f} {100 * nbytes / t_16 / bw:>7.0f}% "
                 f"{t_fp8 * 1e6:>9.1f} {t_fp8 / t_cute:>8.2f} {fp8_bytes / t_fp8 / 1e9:>8.0f} "
                 f"{100 * fp8_bytes / t_fp8 / bw:>8.0f}% "
                 f"{layer[0] * 1e6:>9.1f} {layer[1] * 1e6:>12.1f} {layer[1] / layer[0]:>14.2f}"

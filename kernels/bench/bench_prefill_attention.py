@@ -6,12 +6,9 @@ M3 shapes (Hq 64, Hkv 4, D 128, Hi 4, k 16, bf16), one sequence whose tokens are
 CuTeDSL kernels compute the same function:
   per-token  sparse_attn.py: one (token, index head) per CTA, 16 rows on mma.sync; each token reads
              its own 16 blocks.
-  prefill    sparse_attn_prefill.py: 4 consecutive tokens x 16 heads = 64 rows on wgmma, K/V by TMA;
-             the CTA reads the union of the 4 tokens' blocks once (rows mask the blocks they did not
-             select).
-  adaptive   what serving runs for a prefill (prefill_sparse_attention's default): the prefill
-             kernel for the tiles whose union has at most MAX_UNION x 64 blocks, per-token for the
-             rest.
+  prefill    sparse_attn_prefill.py, what serving runs for a prefill: 4 consecutive tokens x 16 heads = 64
+             rows on wgmma, K/V by TMA; the CTA reads the union of the 4 tokens' blocks once (rows mask the
+             blocks they did not select).
 The prefill kernel's cost follows the union size, so the block selections are made with three
 degrees of agreement between neighbouring tokens (problems.prefill_problem: the block scores of
 token t are a moving sum of `window` independent normal draws; window 1: every token independent,
@@ -59,10 +56,10 @@ def main():
     bw, flops = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s\n")
     print(
-        "| tokens | window | mean union / 4 tokens | per-token ms | prefill ms | adaptive ms | TFLOP/s | % matmul "
-        "| adaptive / per-token | output cosine | dense SDPA ms | dense / adaptive |"
+        "| tokens | window | mean union / 4 tokens | per-token ms | prefill ms | TFLOP/s | % matmul "
+        "| prefill / per-token | output cosine | dense SDPA ms | dense / prefill |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for context in sorted({*args.contexts, *trained}):
         t_dense = dense_time(context)
         windows = [*(args.windows if context in args.contexts else []), *(["trained"] if context in trained else [])]
@@ -81,20 +78,16 @@ def main():
             problem = (q, kv, batch, selected, M3_SHAPE, SCALE)
             run = {
                 "per_token": functools.partial(sparse_attn.sparse_attention, *problem),
-                "prefill": functools.partial(sparse_attn_prefill.prefill_sparse_attention, *problem, max_union=10**6),
-                "adaptive": functools.partial(sparse_attn_prefill.prefill_sparse_attention, *problem),
+                "prefill": functools.partial(sparse_attn_prefill.prefill_sparse_attention, *problem),
             }
             outs = {mode: fn().float() for mode, fn in run.items()}
-            cos = min(
-                F.cosine_similarity(outs["per_token"].flatten(), outs[mode].flatten(), dim=0).item()
-                for mode in ("prefill", "adaptive")
-            )
+            cos = F.cosine_similarity(outs["per_token"].flatten(), outs["prefill"].flatten(), dim=0).item()
             t = {mode: timed(fn, iters=3) for mode, fn in run.items()}
             print(
                 f"| {context} | {window} | {mean_union(selected, TILE):.1f} | {t['per_token'] * 1e3:.2f} | "
-                f"{t['prefill'] * 1e3:.2f} | {t['adaptive'] * 1e3:.2f} | {useful / t['adaptive'] / 1e12:.0f} | "
-                f"{100 * useful / t['adaptive'] / flops:.0f}% | {t['adaptive'] / t['per_token']:.2f} | {cos:.5f} | "
-                f"{t_dense * 1e3:.2f} | {t_dense / t['adaptive']:.1f}x |",
+                f"{t['prefill'] * 1e3:.2f} | {useful / t['prefill'] / 1e12:.0f} | "
+                f"{100 * useful / t['prefill'] / flops:.0f}% | {t['prefill'] / t['per_token']:.2f} | {cos:.5f} | "
+                f"{t_dense * 1e3:.2f} | {t_dense / t['prefill']:.1f}x |",
                 flush=True,
             )
             del batch, q, kv, selected, problem, run, outs

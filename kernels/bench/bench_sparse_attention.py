@@ -17,14 +17,11 @@ decode:  one query token per sequence; sparse attention (sparse_attn.sparse_atte
          K/V of the selected blocks; MSA layer = index scores + top-k + sparse attention
          (msa_kernels.ops.msa_attention). Timed inside CUDA graphs (what vLLM replays for decode); the
          eager layer time shows the host overhead.
-fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes), on 1 and 4
-         warps per CTA ("on 1 warp": against bf16 pages on one warp, serving's default).
-splits:  the decode split-K sweep, the attention kernel and combine.py timed apart, for 1 and 4 warps per CTA.
+fp8_kv:  the decode sparse attention over an FP8 K/V cache of the same selections (half the bytes).
+splits:  the decode split-K sweep, the attention kernel and combine.py timed apart.
 prefill: one sequence of N new tokens; sparse attention (sparse_attn_prefill.prefill_sparse_attention)
          FLOPs = 4 * tokens * Hq * D * keys read; index scores (index_scores_prefill) FLOPs = 2 * Hi *
-         Dp * tokens x keys of the visible blocks; MSA layer as for decode. "4 warps": the sparse attention
-         with the tiles the prefill kernel leaves (most, on random selections) on the per-token kernel with
-         four warps a CTA; "by block": sparse_attn_by_block.py (each page once for the tokens that chose it).
+         Dp * tokens x keys of the visible blocks; MSA layer as for decode.
 """
 
 import argparse
@@ -37,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
 from msa_kernels.bench.timing import ceilings, graph_timed, timed
-from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_by_block, sparse_attn_prefill
+from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 from msa_kernels.cute.combine import combine_splits
 
 SECTIONS = ["decode", "fp8_kv", "splits", "prefill"]
@@ -109,98 +106,74 @@ def decode(bw, trained: dict):
 
 def decode_fp8_kv(bw):
     """The decode sparse attention over an FP8 K/V cache (e4m3 pages, per-tensor scales) against bf16 pages of the
-    same selections, with one warp a CTA and with four sharing each tile (which widen the e4m3 tiles together):
-    time and the fraction of the copy bandwidth on the bytes each reads (FP8: half)."""
+    same selections: time and the fraction of the copy bandwidth on the bytes each reads (FP8: half)."""
     print("\n## decode over an FP8 K/V cache (CUDA-graph times)\n")
-    print(
-        "| context | batch | warps | bf16 K/V us | FP8 K/V us | FP8 / bf16 | FP8 / bf16 on 1 warp | FP8 GB/s "
-        "| FP8 % copy bw |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| context | batch | bf16 K/V us | FP8 K/V us | FP8 / bf16 | FP8 GB/s | FP8 % copy bw |")
+    print("|---|---|---|---|---|---|---|")
     kv_scales = (0.05, 0.05)
     for context in CONTEXTS:
         for batch in DECODE_BATCHES:
             pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
             fp8_kv = reference.fp8_kv_cache(kv, kv_scales)
             nbytes = selected_kv_bytes(batch, context) // 2
-            t_bf16_one_warp = None
-            for warps in (1, 4):
-                t_bf16 = graph_timed(
-                    lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, warps=warps)
-                )
-                t_fp8 = graph_timed(
-                    lambda: sparse_attn.sparse_attention(
-                        q, fp8_kv, pb, selected, M3_SHAPE, SCALE, kv_scales=kv_scales, warps=warps
-                    )
-                )
-                t_bf16_one_warp = t_bf16_one_warp or t_bf16
-                print(
-                    f"| {context} | {batch} | {warps} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | "
-                    f"{t_fp8 / t_bf16:.2f} | {t_fp8 / t_bf16_one_warp:.2f} | {nbytes / t_fp8 / 1e9:.0f} | "
-                    f"{100 * nbytes / t_fp8 / bw:.0f}% |"
-                )
+            t_bf16 = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE))
+            t_fp8 = graph_timed(
+                lambda: sparse_attn.sparse_attention(q, fp8_kv, pb, selected, M3_SHAPE, SCALE, kv_scales=kv_scales)
+            )
+            print(
+                f"| {context} | {batch} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | {t_fp8 / t_bf16:.2f} | "
+                f"{nbytes / t_fp8 / 1e9:.0f} | {100 * nbytes / t_fp8 / bw:.0f}% |"
+            )
 
 
 def decode_splits(bw):
-    """Split-K sweep at the longest context, batch 1 and the largest batch, for one warp per CTA and four sharing
-    each tile (SparseAttentionParams.warps): what sparse_attn.num_splits chooses against every split count (a split
-    takes a run of the selection's K/V tiles), with the attention kernel and combine.py's merge timed apart."""
+    """Split-K sweep at the longest context, batch 1 and the largest batch: what sparse_attn.num_splits chooses
+    against every split count (a split takes a run of the selection's K/V tiles), with the attention kernel and
+    combine.py's merge timed apart."""
     context = CONTEXTS[-1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    params = sparse_attn.SparseAttentionParams(
+        M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim
+    )
+    tiles = M3_SHAPE.topk_blocks * params.tiles_per_block
+    resident = sparse_attn.resident_ctas_per_sm(params) * sms
     for batch in (1, DECODE_BATCHES[-1]):
         pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
         nbytes = selected_kv_bytes(batch, context)
         inputs = sparse_attn.attention_inputs(q, kv, pb, selected)
         out = torch.empty_like(q)
-        print(f"\n## decode split-K sweep ({context} x {batch}; sparse_attn.WARPS = {sparse_attn.WARPS})\n")
-        print("| warps | splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
-        print("|---|---|---|---|---|---|---|")
-        for warps in (1, 4):
-            params = sparse_attn.SparseAttentionParams(
-                M3_SHAPE.num_q_heads, M3_SHAPE.num_kv_heads, M3_SHAPE.num_index_heads, M3_SHAPE.head_dim, warps=warps
+        print(f"\n## decode split-K sweep ({context} x {batch})\n")
+        print("| splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
+        print("|---|---|---|---|---|---|")
+        chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
+        for splits in sorted({1, 2, 4, 8, 16, 32, chosen}):
+            t = graph_timed(lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits))
+            plan = sparse_attn._launch_plan(M3_SHAPE, batch, M3_SHAPE.topk_blocks, splits, False, 0)
+            lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
+            partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
+            target = partial if plan.splits > 1 else out.view(1, *q.shape)
+            q_, kv_, table, seq_lens, positions, selected_ = inputs
+            arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse)
+            t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
+            t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
+            mark = f" (chosen; {resident} resident CTAs)" if splits == chosen else ""
+            print(
+                f"| {plan.splits}{mark} | {plan.tiles_per_split} | {t * 1e6:.1f} | "
+                f"{t_kernel * 1e6:.1f} | {t_combine * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |"
             )
-            tiles = M3_SHAPE.topk_blocks * params.tiles_per_block
-            resident = sparse_attn.resident_ctas_per_sm(params) * sms
-            chosen, _ = sparse_attn.num_splits(batch, params, tiles, resident)
-            for splits in sorted({1, 2, 4, 8, 16, 32, chosen}):
-                t = graph_timed(
-                    lambda: sparse_attn.sparse_attention(
-                        q, kv, pb, selected, M3_SHAPE, SCALE, splits=splits, warps=warps
-                    )
-                )
-                plan = sparse_attn._launch_plan(M3_SHAPE, batch, M3_SHAPE.topk_blocks, splits, False, False, warps, 0)
-                lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
-                partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
-                target = partial if plan.splits > 1 else out.view(1, *q.shape)
-                q_, kv_, table, seq_lens, positions, selected_ = inputs
-                arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse, None)
-                t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
-                t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
-                mark = f" (chosen; {resident} resident CTAs)" if splits == chosen else ""
-                print(
-                    f"| {warps} | {plan.splits}{mark} | {plan.tiles_per_split} | {t * 1e6:.1f} | "
-                    f"{t_kernel * 1e6:.1f} | {t_combine * 1e6:.1f} | {100 * nbytes / t / bw:.0f}% |"
-                )
 
 
 def prefill(flops):
     print("\n## prefill (one sequence, all tokens new)\n")
     print(
-        "| tokens | sparse attn ms | TFLOP/s | % matmul | 4 warps: ms | % matmul | by block: ms | % matmul "
-        "| index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms | sparse attn vs dense | MSA layer vs dense |"
+        "| tokens | sparse attn ms | TFLOP/s | % matmul | index scores ms | TFLOP/s | MSA layer ms | dense SDPA ms "
+        "| sparse attn vs dense | MSA layer vs dense |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for context in CONTEXTS:
         pb, q, index_q, kv, index_keys, selected = paged_problem([(context, context)])
         t_sparse = timed(
             lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE), iters=3
-        )
-        t_warps = timed(  # the tiles the prefill kernel leaves on the per-token kernel with four warps a CTA
-            lambda: sparse_attn_prefill.prefill_sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE, warps=4), iters=3
-        )
-        t_block = timed(
-            lambda: sparse_attn_by_block.prefill_sparse_attention_by_block(q, kv, pb, selected, M3_SHAPE, SCALE),
-            iters=3,
         )
         # upper bound: whole blocks
         keys = (selected >= 0).sum().item() * M3_SHAPE.block_size * M3_SHAPE.heads_per_index_head
@@ -220,8 +193,6 @@ def prefill(flops):
         t_dense = timed(dense, iters=2)
         print(
             f"| {context} | {t_sparse * 1e3:.2f} | {fl / t_sparse / 1e12:.0f} | {100 * fl / t_sparse / flops:.0f}% | "
-            f"{t_warps * 1e3:.2f} | {100 * fl / t_warps / flops:.0f}% | "
-            f"{t_block * 1e3:.2f} | {100 * fl / t_block / flops:.0f}% | "
             f"{t_index * 1e3:.2f} | {index_fl / t_index / 1e12:.0f} | {t_layer * 1e3:.2f} | "
             f"{t_dense * 1e3:.2f} ({name}) | "
             f"{t_dense / t_sparse:.1f}x | {t_dense / t_layer:.1f}x |"

@@ -9,25 +9,18 @@ Run it plainly first: the sanitized runs then load the kernels from the disk cac
 msa_kernels.ops.msa_attention on a random paged problem whose unowned cache slots hold NaN and checks
 the selection and output against the reference. ops splits each batch into its decode part (index
 scores: the decode kernel; top-k; sparse attention: split-K + combine) and its prefill part (the
-prefill index-score kernel; top-k; the prefill attention kernel and the per-token kernel for the tiles it
-leaves); the demo shape's prefill part attends on the per-token kernel (the prefill attention kernel
-does not serve 2 query heads an index head). Each case's selection then attends over an FP8 K/V cache of the
-same values (the per-token kernel reading e4m3 pages, decode and prefill tokens alike), and its index keys
-are scored from an FP8 index-key cache (the decode part on index_scores_fp8.py, the prefill part on the
-prefill kernel's e4m3 variant). Where four warps can share a K/V tile (M3's head dim), the per-token kernel attends
-once more with them, over the bf16 and the FP8 cache (shared-memory exchanges between the warps: racecheck), and
-where the prefill attention kernel serves the shape, it attends for every token on two warpgroups a CTA, and
-where the block-major kernel does (sparse_attn_by_block.py), it too, alone and for the tiles the prefill kernel
-leaves (its merge gated on the prefill kernel's flags).
+prefill index-score kernel; top-k; the prefill attention kernel); the demo shape's prefill part attends on the
+per-token kernel (the prefill attention kernel does not serve 2 query heads an index head). Each case's selection
+then attends over an FP8 K/V cache of the same values (the per-token kernel reading e4m3 pages, decode and
+prefill tokens alike), and its index keys are scored from an FP8 index-key cache (the decode part on
+index_scores_fp8.py, the prefill part on the prefill kernel's e4m3 variant). A single decode token's index scores
+run the decode kernel's 16-elements-a-lane variant (index_scores.lane_elems_for).
 """
 
 import torch
 
 from msa_kernels import ops, reference
 from msa_kernels.bench.problems import M3_SHAPE as M3
-from msa_kernels.cute import sparse_attn, sparse_attn_by_block, sparse_attn_prefill
-from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel
-from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case
@@ -43,6 +36,7 @@ DEMO = MSAShape(
 )
 CASES = {  # name: (shape, q_lens, seq_lens)
     "M3 decode, ragged": (M3, [1, 1, 1, 1], [7, 300, 2100, 5000]),
+    "M3 decode, one token": (M3, [1], [70001]),
     "M3 prefill chunk": (M3, [200], [1000]),
     "M3 mixed": (M3, [1, 1, 130], [9000, 300, 2100]),
     "demo mixed": (DEMO, [1, 70, 1], [129, 700, 2600]),
@@ -73,22 +67,6 @@ def main() -> None:
         }
         attend = (case.q, fp8, case.batch, want_sel, shape, case.scale)
         _check(f"{name}, FP8 K/V", ops.sparse_attention(*attend, kv_scales=kv_scales), want["FP8"])
-        if sparse_attn.warps_can_share_tile(4, shape.head_dim):
-            for kv_name, (kv_cache, _, scales) in caches.items():
-                attend = (case.q, kv_cache, case.batch, want_sel, shape, case.scale)
-                got = sparse_attn.sparse_attention(*attend, kv_scales=scales, warps=4)
-                _check(f"{name}, four warps a tile, {kv_name} K/V", got, want[kv_name])
-        heads = (shape.num_q_heads, shape.num_index_heads)
-        if PrefillAttentionKernel.can_implement(torch.bfloat16, *heads, shape.head_dim, shape.block_size):
-            attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
-            got = sparse_attn_prefill.prefill_sparse_attention(*attend, max_union=10**6, warpgroups=2)
-            _check(f"{name}, prefill kernel on two warpgroups", got, want["bf16"])
-        if BlockMajorAttentionKernel.can_implement(torch.bfloat16, *heads, shape.head_dim, shape.block_size):
-            attend = (case.q, case.kv_cache, case.batch, want_sel, shape, case.scale)
-            got = sparse_attn_by_block.prefill_sparse_attention_by_block(*attend)
-            _check(f"{name}, block by block", got, want["bf16"])
-            got = sparse_attn_prefill.prefill_sparse_attention(*attend, max_union=24, leftovers="by_block")
-            _check(f"{name}, prefill kernel, the tiles it leaves block by block", got, want["bf16"])
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
         got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)

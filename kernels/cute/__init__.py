@@ -5,24 +5,19 @@ the contract of the msa_kernels.reference function of its step.
 
 decode phase
   index_scores.py          IndexScoreKernel, index_block_scores: causal max-pooled index block scores,
-                           every token on its own (SIMT), on bf16 index-key pages
+                           every token on its own (SIMT), on bf16 index-key pages (16 key elements a
+                           lane for a single token, 8 for more)
   index_scores_fp8.py      Fp8IndexScoreKernel, fp8_index_block_scores: the same on FP8 index-key pages
                            (mma.sync on the e4m3 keys widened to f16)
   sparse_attn.py           SparseAttentionKernel, sparse_attention: GQA attention over the selected
                            blocks, one token per CTA (mma.sync), split-K over their K/V tiles; bf16 or
                            FP8 (e4m3) K/V pages (an FP8 cache's prefill tokens too)
-  combine.py               CombineKernel, combine_splits: merges those split-K partials (and
-                           sparse_attn_by_block.py's partials of one block each)
+  combine.py               CombineKernel, combine_splits: merges those split-K partials
 prefill phase
   index_scores_prefill.py  PrefillIndexScoreKernel, prefill_index_block_scores: the same scores on
                            64-token tiles of a request (TMA + warpgroup MMAs)
   sparse_attn_prefill.py   PrefillAttentionKernel, prefill_sparse_attention: tiles of consecutive tokens
-                           read the union of their blocks once (TMA + warpgroup MMAs); the tiles it
-                           leaves go to sparse_attn.py's gated variant (attend_per_token)
-  sparse_attn_by_block.py  BlockMajorAttentionKernel, prefill_sparse_attention_by_block: the loops turned
-                           around for selections that look random: a CTA attends every token that chose
-                           one page against it, partials merged by combine.py (benchmarked beside the
-                           above; serving runs the above)
+                           read the union of their blocks once (TMA + warpgroup MMAs), every tile
 both phases
   topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (radix select,
                            a CTA per decode row, a warp per prefill row)
@@ -33,8 +28,8 @@ shared
                            calls with torch tensors on torch's current stream, exported object files on
                            disk across processes; SM count, output copies
   warp_mma.py              MMA fragments, online softmax rows, tile copies, swizzles
-  warpgroup_attention.py   what the two prefill attention kernels share: their warpgroup MMAs, the K/V
-                           cache's TMA descriptor, query-row copies, P V, zeroing V past a request
+  warpgroup_attention.py   the prefill attention's warpgroup pieces: its MMAs, the K/V cache's TMA
+                           descriptor, query-row copies, P V, zeroing V past a request
   fp8_rows.py              e4m3 rounding of rows spread over lanes, bit for bit the reference's
   pdl.py                   programmatic dependent launch: the decode chain's kernels launch while the
                            one before finishes, and wait for it before touching memory

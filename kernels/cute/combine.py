@@ -1,9 +1,8 @@
-"""CuTeDSL kernel: merge partial attention outputs into the final output: sparse_attn.py's split-K partials
-(fp32) and sparse_attn_by_block.py's partials of one block each (bf16, a selection slot each).
+"""CuTeDSL kernel: merge sparse_attn.py's split-K partial outputs (fp32) into the final output.
 
 out[t, g] = sum_s w_s o_s[t, g] / sum_s w_s with w_s = exp(lse_s[t, g] - max_s lse_s[t, g]);
-partials that saw no key have lse = -inf and weight 0, whatever they hold (sparse_attn_by_block.py leaves
-the partials of unselected slots unwritten). One CTA per (token, query head), one thread per output element
+partials that saw no key have lse = -inf and weight 0, whatever they hold. One CTA per (token, query head), one
+thread per output element
 of the head dim. The partial count is a compile-time constant (a kernel per count: a few), so both loops
 unroll fully and every load of a thread is in flight at once: a merge costs two L2 round trips (the
 log-sum-exps, then nothing but the partials, whose loads do not wait on them) where a loop over a run-time
@@ -32,8 +31,6 @@ class CombineParams:
     num_q_heads: int  # Hq
     head_dim: int  # D: threads per CTA
     splits: int  # S: the partials each output merges
-    bf16_partials: bool = False  # partials in bf16 (sparse_attn_by_block.py's), else fp32
-    gated: bool = False  # leave the (token, index head) rows that `handled` marks (the prefill kernel wrote them)
 
 
 class CombineKernel:
@@ -43,41 +40,31 @@ class CombineKernel:
     @staticmethod
     def fake_arguments(params: CombineParams) -> tuple:
         return (
-            row_major(cutlass.BFloat16 if params.bf16_partials else cutlass.Float32, 4, align=16),  # partial_out
+            row_major(cutlass.Float32, 4, align=16),  # partial_out
             row_major(cutlass.Float32, 3),  # partial_lse
             row_major(cutlass.BFloat16, 3, align=16),  # out
-            row_major(cutlass.Int32, 2) if params.gated else None,  # handled
             env_stream(),
         )
 
     @cute.jit
     def __call__(
         self,
-        partial_out: cute.Tensor,  # [S, T, Hq, D] fp32 or bf16
+        partial_out: cute.Tensor,  # [S, T, Hq, D] fp32
         partial_lse: cute.Tensor,  # [S, T, Hq] fp32
         out: cute.Tensor,  # [T, Hq, D] bf16
-        handled: cute.Tensor | None,  # [T, Hi] int32, gated only: nonzero rows are already written
         stream: cuda.CUstream,
     ):
         num_tokens = cute.size(out, mode=[0])
-        self.kernel(partial_out, partial_lse, out, handled).launch(
+        self.kernel(partial_out, partial_lse, out).launch(
             grid=[num_tokens, self.p.num_q_heads, 1], block=[self.p.head_dim, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
-    def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, handled: cute.Tensor | None):
+    def kernel(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor):
+        """out[token, head, d] from the partials."""
         wait_for_previous_kernel()  # before any global memory access (pdl.py)
         d, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
-        written = cutlass.Int32(0)
-        if cutlass.const_expr(self.p.gated):
-            written = handled[token, head * cute.size(handled, mode=[1]) // self.p.num_q_heads]
-        if written == 0:
-            self.merge(partial_out, partial_lse, out, token, head, d)
-
-    @cute.jit
-    def merge(self, partial_out: cute.Tensor, partial_lse: cute.Tensor, out: cute.Tensor, token, head, d):
-        """out[token, head, d] from the partials."""
         lse = cute.make_rmem_tensor((self.p.splits,), cutlass.Float32)
         for s in cutlass.range(self.p.splits, unroll_full=True):
             lse[s] = partial_lse[s, token, head]
@@ -100,16 +87,12 @@ class CombineKernel:
         out[token, head, d] = result.to(out.element_type)
 
 
-def combine_splits(
-    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, handled: torch.Tensor | None = None
-) -> None:
-    """Merge partials [S, T, Hq, D] fp32 or bf16 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16
-    (contiguous); with `handled` ([T, Hi] int32) only the rows of the (token, index head)s it leaves at 0."""
+def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
     splits, _, num_q_heads, head_dim = partial_out.shape
-    bf16 = partial_out.dtype == torch.bfloat16
-    _kernel(num_q_heads, head_dim, splits, bf16, handled is not None)(partial_out, partial_lse, out, handled)
+    _kernel(num_q_heads, head_dim, splits)(partial_out, partial_lse, out)
 
 
 @functools.cache
-def _kernel(num_q_heads: int, head_dim: int, splits: int, bf16_partials: bool, gated: bool) -> "tvm_ffi.Function":
-    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim, splits, bf16_partials, gated))
+def _kernel(num_q_heads: int, head_dim: int, splits: int) -> "tvm_ffi.Function":
+    return compiled_kernel(CombineKernel, CombineParams(num_q_heads, head_dim, splits))

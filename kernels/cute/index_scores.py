@@ -10,7 +10,8 @@ its lane_elems-wide slice of every index query in registers, the lanes of a row 
 shuffles, each thread keeps a running max per head over its rows, and the
 CTA reduces the max with warp shuffles and a [warps, Hi] shared-memory exchange. SIMT decode path:
 memory bound, each key page is read once per query token (90% of the copy bandwidth at M3's 128K x 32).
-index_block_scores launches it (FP8 index-key pages: index_scores_fp8.py).
+index_block_scores launches it (FP8 index-key pages: index_scores_fp8.py), with lane_elems from the shape
+(lane_elems_for).
 """
 
 import functools
@@ -31,8 +32,13 @@ if TYPE_CHECKING:
     import tvm_ffi
 
 WARP = 32
-LANE_ELEMS = 8  # in serving: key elements a lane loads from a row (one 16-byte load); 16 is the candidate
-# bench_index_scores.py measures against it
+
+
+def lane_elems_for(num_tokens: int) -> int:
+    """Key elements a lane loads from a row: 16 for a single query token (latency-bound: one shuffle stage fewer
+    per row), else 8. On an H100 at M3's shapes (results/README.md, 2026-12-05) 16 took 0.5-0.8 us less of the
+    layer's index scores + top-k at batch 1 (8K-128K), 8 0.2-9 us less at batch 8 and 32 from 32K on."""
+    return 16 if num_tokens == 1 else 8
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class IndexScoreParams:
     num_index_key_heads: int  # Hki
     index_head_dim: int  # Dp
     block_size: int = 128  # B == threads per CTA
-    lane_elems: int = LANE_ELEMS  # bf16 elements of a key row one lane loads (a multiple of 8: 16-byte loads)
+    lane_elems: int = 8  # bf16 elements of a key row one lane loads (a multiple of 8: 16-byte loads)
 
     @property
     def warps(self) -> int:
@@ -179,13 +185,11 @@ def index_block_scores(
     batch: PagedBatch,
     shape: MSAShape,
     scratch: bool = False,
-    lane_elems: int = LANE_ELEMS,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
-    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out);
-    lane_elems: IndexScoreParams.lane_elems (benchmarks sweep it)."""
+    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out)."""
     out = block_scores_out(batch, shape.num_index_heads, scratch)
-    _kernel(shape, lane_elems)(
+    _kernel(shape, lane_elems_for(batch.num_tokens))(
         index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out
     )
     return out

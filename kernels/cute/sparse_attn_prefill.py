@@ -8,10 +8,12 @@ their blocks independently, so the CTA reads the union of their selections once,
 and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
 the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
 up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
-MMA rows (two warpgroups share each page the CTA loads: twice the rows a page feeds where the G tokens
-share their blocks): a tile whose union exceeds `max_union` blocks (default MAX_UNION x K a token) is left to
-the per-token kernel (sparse_attn.py) or the block-major one (sparse_attn_by_block.py), both gated on the
-`handled` flags this kernel writes; prefill_sparse_attention launches them.
+MMA rows, and still in less time than they take (results/README.md, the prefill attention sweep of
+2026-12-05), so prefill_sparse_attention gives this kernel every tile, on one warpgroup and one stage.
+
+The kernel still takes a union bound (a tile past it is left, its `handled` flags 0), two warpgroups and more
+stages, from the candidates that lost that sweep: prefill_sparse_attention passes no bound a tile can reach, one
+warpgroup and one stage. Dropping them changes the kernel's code, so they go with its next GPU run.
 
 Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
 (default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
@@ -23,7 +25,6 @@ zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,8 +34,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
-from msa_kernels.cute.sparse_attn import WARPS, attend_per_token, attention_inputs
-from msa_kernels.cute.sparse_attn_by_block import BlockMajorAttentionKernel, prefill_sparse_attention_by_block
+from msa_kernels.cute.sparse_attn import attention_inputs
 from msa_kernels.cute.warp_mma import acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt
 from msa_kernels.cute.warpgroup_attention import (
     LOG2_E,
@@ -52,7 +52,6 @@ from msa_kernels.cute.warpgroup_attention import (
 )
 from msa_kernels.shapes import MSAShape, PagedBatch
 
-MAX_UNION = 0.7  # tiles whose union exceeds this x K blocks per token go to the per-token kernel
 MAX_TILE_TOKENS = 16  # a tile's tokens are bits of an int32 set (1 << tokens stays defined)
 
 
@@ -140,7 +139,7 @@ class PrefillAttentionKernel:
         tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
         out: cute.Tensor,  # [T, Hq, D] bf16
         handled: cute.Tensor,  # [T, Hi] int32 out: 1 where this kernel wrote the rows, 0 where it left them
-        max_union: cutlass.Int32,  # tiles whose union has more blocks are left to the per-token kernel
+        max_union: cutlass.Int32,  # tiles whose union has more blocks are left (their handled flags 0)
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
@@ -270,8 +269,6 @@ class PrefillAttentionKernel:
         union_size = cutlass.Int32(0)
         for c in range(p.candidates):
             union_size += first_seen[c]
-        # A tile whose tokens share few blocks costs more here (64 rows per block) than G
-        # per-token CTAs (16 rows each): leave it to them.
         done = cutlass.Int32(1)
         if union_size > max_union:
             done = 0
@@ -428,47 +425,22 @@ def prefill_sparse_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
-    max_union: int | None = None,
-    stages: int = 1,
-    warps: int = WARPS,
-    warpgroups: int = 1,
-    leftovers: Literal["per_token", "by_block"] = "per_token",
 ) -> torch.Tensor:
-    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on
-    each request's tiles of consecutive tokens, `leftovers` on the tiles whose union of blocks exceeds max_union
-    (default MAX_UNION x K per token; 10**6: none).
+    """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on each
+    request's tiles of consecutive tokens.
 
-    kv_cache must be contiguous; q and out may be strided views. stages: K/V pages per CTA, warpgroups: per CTA
-    (PrefillAttentionParams; benchmarks sweep them and max_union); leftovers: what attends the tiles it leaves,
-    the per-token kernel (warps a CTA: sparse_attn.SparseAttentionParams.warps) or sparse_attn_by_block.py (where
-    it serves the shape).
+    kv_cache must be contiguous; q and out may be strided views.
     """
-    num_tokens, topk = batch.num_tokens, selected.shape[-1]
-    params = PrefillAttentionParams(
-        shape.num_q_heads,
-        shape.num_kv_heads,
-        shape.num_index_heads,
-        shape.head_dim,
-        topk,
-        shape.block_size,
-        stages,
-        warpgroups,
-    )
-    if max_union is None:
-        max_union = round(MAX_UNION * params.tokens_per_tile * topk)
-    inputs = attention_inputs(q, kv_cache, batch, selected)
+    heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads)
+    params = PrefillAttentionParams(*heads, shape.head_dim, selected.shape[-1], shape.block_size)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    handled = batch.scratch("handled rows", (num_tokens, shape.num_index_heads), torch.int32)
+    handled = batch.scratch("handled rows", (batch.num_tokens, shape.num_index_heads), torch.int32)
     compiled_kernel(PrefillAttentionKernel, params)(
-        *inputs, batch.request_tiles(params.tokens_per_tile), result, handled, max_union, scale
+        *attention_inputs(q, kv_cache, batch, selected),
+        batch.request_tiles(params.tokens_per_tile),
+        result,
+        handled,
+        params.candidates,  # no union bound: a tile's union has at most `candidates` blocks
+        scale,
     )
-    if max_union >= params.candidates:  # no tile was left
-        return copy_into(result, out)
-    heads = (shape.num_q_heads, shape.num_index_heads)
-    if leftovers == "by_block" and BlockMajorAttentionKernel.can_implement(
-        q.dtype, *heads, shape.head_dim, shape.block_size
-    ):
-        prefill_sparse_attention_by_block(inputs[0], inputs[1], batch, inputs[5], shape, scale, result, handled=handled)
-    else:
-        attend_per_token(inputs, batch, shape, topk, result, scale, splits=1, handled=handled, warps=warps)
     return copy_into(result, out)

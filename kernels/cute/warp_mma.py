@@ -80,17 +80,14 @@ def online_softmax_row(
     row_sum: cute.Tensor,
     r: cutlass.Constexpr,
     scale_log2: cutlass.Float32,
-    tile_max=None,
 ):
     """Online softmax step for accumulator row r of (rows, cols) views (a row spread over a quad):
     the row's scores (masked keys at -inf) become probabilities against the new running max, in
     place, and its output accumulator and running sum are rescaled to that max. A row that has seen
-    no visible key keeps max -inf and sum 0. tile_max: the row's max over the whole tile, already reduced,
-    where other warps hold the rest of its keys (then every warp moves to the same running max)."""
+    no visible key keeps max -inf and sum 0."""
     f32 = cutlass.Float32
     values = scores[r, None].load()
-    if cutlass.const_expr(tile_max is None):
-        tile_max = quad_reduce(values.reduce(cute.ReductionOp.MAX, -f32.inf, 0), cute.arch.fmax)
+    tile_max = quad_reduce(values.reduce(cute.ReductionOp.MAX, -f32.inf, 0), cute.arch.fmax)
     new_max = cute.arch.fmax(tile_max, row_max[r])
     safe_max = 0.0 if new_max == -f32.inf else new_max
     probs = cute.math.exp2(values * scale_log2 - safe_max * scale_log2, fastmath=True)

@@ -1,8 +1,7 @@
-"""What the two prefill attention kernels on warpgroup MMAs share (sparse_attn_prefill.py: a tile of tokens over
-the union of their blocks; sparse_attn_by_block.py: one page over the tokens that chose it): a warpgroup's 64
-MMA rows (tokens x the query heads of one index head), S = Q K^T and O += P V on warpgroup MMAs, one TMA
-descriptor over the whole paged K/V cache and the page tiles it copies into shared memory (V read transposed),
-the 16-byte copy of query rows, and zeroing a page's V rows past the request.
+"""The warpgroup pieces of the prefill attention (sparse_attn_prefill.py: a tile of tokens over the union of their
+blocks): a warpgroup's 64 MMA rows (tokens x the query heads of one index head), S = Q K^T and O += P V on
+warpgroup MMAs, one TMA descriptor over the whole paged K/V cache and the page tiles it copies into shared memory
+(V read transposed), the 16-byte copy of query rows, and zeroing a page's V rows past the request.
 """
 
 import cutlass
