@@ -232,6 +232,15 @@ def eager_break_during_capture(func: _F) -> _F:
     return breaks(func)
 
 
+def transfer_kv_layer(func: _F) -> _F:
+    """Decorator of a function with a `layer_name` argument: where a KV connector is configured (disaggregated
+    prefill, offload), wait for that layer's cache to be loaded before the call and save it after, as vLLM's
+    attention ops do (vllm.model_executor.layers.attention.kv_transfer_utils.maybe_transfer_kv_layer)."""
+    from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+
+    return maybe_transfer_kv_layer(func)
+
+
 def cache_torch_dtype(cache_dtype: str, model_config: "ModelConfig") -> torch.dtype:
     """The torch dtype of a --kv-cache-dtype value ("auto": the model's), as vLLM's attention layers resolve it
     (internal: vllm.utils.torch_utils)."""

@@ -6,7 +6,10 @@ MSAImpl (backend.py) behind one opaque custom op (`torch.ops.vllm_msa.msa_attent
 torch.compile traces the model around it (and vLLM splits its piecewise CUDA graphs there; breakable
 graphs break there). Each call runs the impl's three stages (cache writes, block selection, sparse
 attention) inside a step of the observer (observer.py), which turns the selections and stage times
-into the sparse-layer metrics and the selection log.
+into the sparse-layer metrics and the selection log. Where a KV connector is configured (vLLM's
+--kv-transfer-config: disaggregated prefill, offload), the call waits for the connector to load the layer's
+K/V and its index keys (two vLLM layers: the index-key cache is its own) and saves both after, through vLLM's
+own per-layer hooks, as vLLM's attention ops do.
 """
 
 import torch
@@ -124,6 +127,7 @@ def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
 
 
 @compat.eager_break_during_capture  # vLLM's breakable CUDA graphs (M3) run the op eagerly, as their attention
+@compat.transfer_kv_layer  # a KV connector loads this layer's K/V before the call and saves them after
 def _msa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -133,7 +137,13 @@ def _msa_attention(
     output: torch.Tensor,
     layer_name: str,
 ) -> None:
-    compat.step_layer(layer_name).run(q, k, v, index_q, index_k, output)
+    layer = compat.step_layer(layer_name)
+    _with_index_keys(layer.index_key_cache.prefix, layer.run, q, k, v, index_q, index_k, output)
+
+
+@compat.transfer_kv_layer  # and the layer's index keys, inside: loaded before its run, saved after
+def _with_index_keys(layer_name: str, run, *args) -> None:
+    run(*args)
 
 
 def _msa_attention_fake(
