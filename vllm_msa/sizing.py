@@ -156,8 +156,8 @@ def size(
         )
     if m3 and (layout.tp > 1 or layout.pp > 1):
         lines.append(
-            "(FLASH_MSA serves MiniMax-M3 at tensor and pipeline parallel size 1 so far: these are the "
-            "sizes the head-split rules give)"
+            "(FLASH_MSA accepts MiniMax-M3 at these sizes but has run it at tensor and pipeline parallel size 1 "
+            "only: these are the sizes the head-split rules give)"
         )
     return "\n".join(lines)
 
