@@ -64,7 +64,8 @@ def test_a_consumer_answers_from_the_producers_kv_and_index_keys(tmp_path, index
     assert all(answer_is_correct(text, key) for text, key in zip(produced, KEYS)), produced
     saved = sorted({path.name for path in storage.rglob("*.safetensors")})
     index_key_files = [name for name in saved if name.endswith(".index_key_cache.safetensors")]
-    assert len(index_key_files) == 3 and len(saved) == 7, saved  # 3 MSA layers' K/V and index keys, the dense layer's K/V
+    # the 3 MSA layers' K/V and index keys, the dense layer's K/V
+    assert len(index_key_files) == 3 and len(saved) == 7, saved
 
     consumer_log = tmp_path / "consumer"
     assert _answers(storage, consumer_log, prompts, index_keys) == produced
