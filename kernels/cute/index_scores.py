@@ -36,8 +36,7 @@ WARP = 32
 
 def lane_elems_for(num_tokens: int) -> int:
     """Key elements a lane loads from a row: 16 for a single query token (latency-bound: one shuffle stage fewer
-    per row), else 8. On an H100 at M3's shapes (results/README.md, 2026-12-05) 16 took 0.5-0.8 us less of the
-    layer's index scores + top-k at batch 1 (8K-128K), 8 0.2-9 us less at batch 8 and 32 from 32K on."""
+    per row), else 8: what measured faster for each (results/README.md, twelfth session, "Decode candidates")."""
     return 16 if num_tokens == 1 else 8
 
 
