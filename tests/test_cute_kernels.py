@@ -157,6 +157,18 @@ def test_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a
     compiles_and_caches(SparseAttentionKernel, params, sm90a)
 
 
+def test_decode_split_k_fills_the_gpu_and_bounds_its_partials():
+    """M3 at 396 resident CTAs (an H100/H200): batch 1 spreads its 32 tiles over 32 splits, batch 32 takes 3 splits
+    of 11 (one wave); a 128K-token prefill over an FP8 K/V cache (4 GiB of fp32 partials a split) runs unsplit."""
+    params = SparseAttentionParams(64, 4, 4, 128)
+    tiles = 16 * params.tiles_per_block
+    assert sparse_attn.num_splits(1, params, tiles, 396) == (32, 1)
+    assert sparse_attn.num_splits(32, params, tiles, 396) == (3, 11)
+    assert sparse_attn.num_splits(131072, params, tiles, 396) == (1, 32)
+    splits, _ = sparse_attn.num_splits(4096, params, tiles, 396)
+    assert splits > 1 and splits * 4096 * 64 * 128 * 4 <= sparse_attn.PARTIAL_BYTES
+
+
 @pytest.mark.parametrize("hq, hkv, hi, d", [(64, 4, 4, 128), (8, 2, 4, 32)])
 @pytest.mark.parametrize("split", [False, True])
 def test_fp8_kv_sparse_attention_kernel_compiles_for_sm90a(hq, hkv, hi, d, split, sm90a):
