@@ -6,7 +6,8 @@
 # so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
 #     [prefill_1m] [prefill_attention] [peers] [long] [host] [profile_prefill]
-# (none named: tests+dense+memcheck, within one device call; the others in later calls).
+# (none named: tests, then dense+memcheck: up to 680 s, more than one device call: run it under dev/gpu/background.sh).
+# The kernel tests run alone: beside the sanitizers they ran past their limit (H100, 2026-12-05).
 # Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
 set -uo pipefail
