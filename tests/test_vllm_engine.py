@@ -18,6 +18,9 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_fp8_kv  as msa_tight with an FP8 K/V cache (--kv-cache-dtype fp8; index keys then FP8 too): the
               concurrent prompts twice in 36 pages, on a demo variant whose layers are all MSA (a dense
               layer runs vLLM's CPU attention, whose FP8 K/V needs AVX-512 or AMX)
+  fp8 K/V scales  (a test's own engines) an FP8 K/V cache on that variant with K and V 1024 times larger
+              (Q and the output projection 1024 times smaller: the same function, exactly), with and
+              without the checkpoint's per-tensor K/V scales of 1024 (a compressed-tensors kv_cache_scheme)
 Two-rank engines run one rank per core here (VLLM_CPU_OMP_THREADS_BIND="0|1").
 """
 
@@ -351,6 +354,73 @@ def test_fp8_caches_hold_their_pages_at_e4m3_bytes_and_give_the_reference_models
     reference = ReferenceFlashMSA(all_msa_model, kv_cache_dtype="fp8")
     for prompt, got in zip(concurrent_prompts, first):
         assert got == reference.greedy(prompt, MAX_TOKENS), len(prompt)
+
+
+KV_SCALE = 1024.0  # a power of two: scaling by it is exact, so the scaled checkpoint computes the same function
+
+
+def scaled_kv_model(model_dir, out_dir, with_scales: bool):
+    """model_dir with K and V projections x KV_SCALE and Q and output projections / KV_SCALE (every product and sum
+    the same, exactly); with_scales: with per-tensor k_scale / v_scale of KV_SCALE in the checkpoint, declared by a
+    compressed-tensors kv_cache_scheme (FP8 K/V scales only, no weight quantisation)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir()
+    for path in model_dir.iterdir():
+        if path.name not in ("config.json", "model.safetensors"):
+            (out_dir / path.name).write_bytes(path.read_bytes())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        attn = f"model.layers.{layer}.self_attn"
+        for proj, factor in (("q", 1 / KV_SCALE), ("k", KV_SCALE), ("v", KV_SCALE), ("o", 1 / KV_SCALE)):
+            weights[f"{attn}.{proj}_proj.weight"] = weights[f"{attn}.{proj}_proj.weight"] * factor
+        if with_scales:
+            weights[f"{attn}.k_scale"], weights[f"{attn}.v_scale"] = torch.tensor(KV_SCALE), torch.tensor(KV_SCALE)
+    if with_scales:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "config_groups": {},
+            "ignore": [],
+            "quantization_status": "compressed",
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+            | {"symmetric": True},
+        }
+    save_file(weights, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def fp8_kv_tokens_and_saturated(model_dir, prompts):
+    """Greedy tokens of the prompts on an FP8 K/V cache and the K/V values counted saturated
+    (vllm:msa_kv_saturated_total, read from the live worker's metrics file)."""
+    from vllm_msa import metrics
+
+    with engine(model_dir, kv_cache_dtype="fp8", **PLAIN) as llm:
+        tokens = greedy(llm, prompts)
+        totals = metrics.read_totals(os.environ[metrics.DIR_ENV])[str(model_dir)]
+    return tokens, totals[metrics.FIELDS.index("kv_saturated")]
+
+
+def test_fp8_kv_cache_of_msa_layers_uses_the_checkpoints_kv_scales_and_counts_saturated_values(
+    all_msa_model, concurrent_prompts, tmp_path, capfd
+):
+    prompts = concurrent_prompts[:3]
+    reference = ReferenceFlashMSA(all_msa_model, kv_cache_dtype="fp8")  # the unscaled checkpoint at scale 1.0
+    expected = [reference.greedy(prompt, MAX_TOKENS) for prompt in prompts]
+
+    scaled = scaled_kv_model(all_msa_model, tmp_path / "with-scales", with_scales=True)
+    tokens, saturated = fp8_kv_tokens_and_saturated(scaled, prompts)
+    assert tokens == expected and saturated == 0  # K / 1024 and V / 1024 are the unscaled model's K and V
+    assert "with the checkpoint's k_scale and v_scale" in capfd.readouterr().out  # vLLM logs to stdout
+
+    unscaled = scaled_kv_model(all_msa_model, tmp_path / "no-scales", with_scales=False)
+    tokens, saturated = fp8_kv_tokens_and_saturated(unscaled, prompts)
+    log = capfd.readouterr().out
+    assert "with K/V scale 1.0 (the checkpoint carries no k_scale/v_scale)" in log
+    assert saturated > 0 and "were stored saturated" in log
+    assert tokens != expected
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -298,6 +298,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
 
     def write_caches(
         self,
+        layer: torch.nn.Module,
         key: torch.Tensor,
         value: torch.Tensor,
         index_key: torch.Tensor,
@@ -306,10 +307,10 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         attn_metadata: FlashMSAMetadata,
         index_metadata: FlashMSAMetadata,
     ) -> None:
-        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (index keys quantised
-        for an FP8 cache)."""
+        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (an FP8 K/V cache with the
+        layer's K/V scales, index keys quantised for an FP8 cache)."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value)
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
         write_index_keys(index_key_cache, index_metadata.slot_mapping, index_key)
 
     def select(
@@ -325,16 +326,21 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
 
     def attend(
         self,
+        layer: torch.nn.Module,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: FlashMSAMetadata,
         selected: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """Attention of each query token [T, Hq, D] over its selected blocks, into output."""
-        n = attn_metadata.num_actual_tokens
+        """Attention of each query token [T, Hq, D] over its selected blocks, into output (an FP8 K/V cache read with
+        the layer's K/V scales)."""
+        n, batch = attn_metadata.num_actual_tokens, attn_metadata.batch
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
-        ops.sparse_attention(query[:n], kv_cache, attn_metadata.batch, selected, self.shape, self.scale, out=output[:n])
+        scales = layer_kv_scales(layer)
+        ops.sparse_attention(
+            query[:n], kv_cache, batch, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
+        )
 
 
 @functools.cache
@@ -420,7 +426,8 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
 
 
 def layer_kv_scales(layer: torch.nn.Module | None) -> tuple[float, float]:
-    """(k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache (1.0 unless its checkpoint carries scales)."""
+    """(k_scale, v_scale) of an attention layer's FP8 K/V cache, vLLM's or MSAAttention (1.0 unless its checkpoint
+    carries scales)."""
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
 
@@ -428,7 +435,7 @@ def layer_scale_tensors(
     layer: torch.nn.Module | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_scale, k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache as vLLM's cache and FlashAttention
-    ops take them, float32 tensors of one element (1 where the layer has none: FLASH_MSA's MSA layers)."""
+    ops take them, float32 tensors of one element (1 where the layer has none)."""
     unit = compat.unit_scale(device)
     scales = tuple(getattr(layer, name, unit) for name in ("_q_scale", "_k_scale", "_v_scale"))
     if any(scale.numel() != 1 for scale in scales):
@@ -467,8 +474,8 @@ def write_paged(
     layer: torch.nn.Module | None = None,
 ) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped); an FP8
-    K/V cache gets the e4m3 of key / k_scale and value / v_scale, the scales of the vLLM attention layer given
-    (1 without one: MSA layers).
+    K/V cache gets the e4m3 of key / k_scale and value / v_scale, the scales of the attention layer given (1 without
+    one).
 
     On CUDA vLLM's reshape_and_cache_flash (no host sync, so CUDA graphs can record it); elsewhere the
     reference, which writes the same bytes.

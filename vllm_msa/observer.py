@@ -4,7 +4,7 @@
 Each MSAAttention registers with OBSERVER when it is built, with its RankLayout, and runs every call as
 
     step = OBSERVER.layer_step(layer_name, device)    # times one call in metrics.SAMPLE_EVERY
-    cache writes;  step.mark();  block selection;  step.mark();  sparse attention
+    cache writes;  [FP8 K/V: step.count_saturated(...)];  step.mark();  block selection;  step.mark();  sparse attention
     step.done(selected, metadata)
 
 The observer decides the rest by itself, per worker process:
@@ -43,6 +43,17 @@ class LayerStep:
         """A stage starts: the selection (after the cache writes), then the attention."""
         if self.clock is not None:
             self.clock.mark()
+
+    def count_saturated(
+        self, key: torch.Tensor, value: torch.Tensor, metadata: "FlashMSAMetadata", kv_scales: tuple[float, float]
+    ) -> None:
+        """The call wrote key/value [T, Hkv, D] to an FP8 K/V cache with these scales: count the values of its prompt
+        (prefill) tokens that saturated; steps of decodes only are not counted (it would cost every decode step)."""
+        decode, prefill = metadata.batch.split()
+        if prefill is None:
+            return
+        start, stop = (decode.num_tokens if decode is not None else 0), metadata.num_actual_tokens
+        self.observer.stats.count_saturated(key[start:stop], value[start:stop], kv_scales)
 
     def done(self, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
         """The call ended with this selection [T, Hi, K] (-1 = none), on the layer's metadata."""

@@ -90,7 +90,7 @@ class FlashMSAAttention(nn.Module):
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings, rope_parameters=rope)
         self.index_rotary_emb = get_rope(dp, max_position=max_position_embeddings, rope_parameters=rope)
         index_key_dtype = served_index_key_dtype(compat.current_vllm_config(), msa)
-        self.attn = MSAAttention(layout, d**-0.5, cache_config, f"{prefix}.attn", index_key_dtype)
+        self.attn = MSAAttention(layout, d**-0.5, cache_config, f"{prefix}.attn", index_key_dtype, quant_config)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

@@ -94,7 +94,9 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             rope_parameters=compat.m3_sparse_fields(config)["rope_parameters"],
         )
         index_key_dtype = served_index_key_dtype(compat.current_vllm_config(), msa)  # vLLM's M3 option
-        self.attn = MSAAttention(layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype)
+        self.attn = MSAAttention(
+            layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype, quant_config
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
