@@ -191,6 +191,45 @@ def test_fp8_kv_cache_is_refused_where_vllm_writes_another_fp8_type(monkeypatch)
 
 
 @pytest.mark.parametrize(
+    "transfer, offload, refused",
+    [
+        ({"kv_connector": "ExampleConnector"}, None, None),
+        ({"kv_connector": "NixlConnector"}, None, "--kv-transfer-config runs KV connector NixlConnector"),
+        (
+            {
+                "kv_connector": "MultiConnector",
+                "kv_connector_extra_config": {
+                    "connectors": [{"kv_connector": "ExampleConnector"}, {"kv_connector": "P2pNcclConnector"}]
+                },
+            },
+            None,
+            r"--kv-transfer-config \(MultiConnector\) runs KV connector P2pNcclConnector",
+        ),
+        (None, 1.0, "--kv-offloading-size runs KV connector OffloadingConnector"),
+    ],
+)
+def test_kv_connectors_not_verified_with_index_key_caches_are_refused_by_name(monkeypatch, transfer, offload, refused):
+    """A connector that may move K/V without the index keys is refused at start-up (tests/test_kv_connector.py
+    verifies ExampleConnector); the env variable the message names accepts it with a warning."""
+    from vllm.config import KVTransferConfig
+
+    from vllm_msa.config import UNVERIFIED_KV_CONNECTORS_ENV, _check_kv_connectors
+
+    monkeypatch.delenv(UNVERIFIED_KV_CONNECTORS_ENV, raising=False)
+    transfer_config = transfer and KVTransferConfig(kv_role="kv_both", **transfer)
+    cache = SimpleNamespace(kv_offloading_size=offload, kv_offloading_backend="native")
+    vllm_config = SimpleNamespace(kv_transfer_config=transfer_config, cache_config=cache)
+    if refused is None:
+        _check_kv_connectors(vllm_config)
+        return
+    with pytest.raises(MSAConfigError, match=refused + ", which is not verified to carry FLASH_MSA's caches"):
+        _check_kv_connectors(vllm_config)
+    name = refused.split("KV connector ")[1]
+    monkeypatch.setenv(UNVERIFIED_KV_CONNECTORS_ENV, f"ExampleConnector, {name}")
+    _check_kv_connectors(vllm_config)
+
+
+@pytest.mark.parametrize(
     "capability, importable, reason",
     [
         ((8, 0), True, "the CuTeDSL kernels run on Hopper GPUs \\(compute capability 9.0\\), this GPU is 8.0"),

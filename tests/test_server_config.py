@@ -19,7 +19,7 @@ def _hf_overrides(**msa_fields) -> list[str]:
     return ["--hf-overrides", json.dumps({"msa_config": MSA | msa_fields})]
 
 
-# One case per source of the error: a vLLM flag, a model field (through --hf-overrides), the checkpoint itself.
+# One case per source of the error: vLLM flags, a model field (through --hf-overrides), the checkpoint itself.
 # tests/test_plugin.py checks every message of those checks in-process.
 BAD_CONFIGS = {
     "a KV cache format FLASH_MSA does not serve": (
@@ -29,6 +29,10 @@ BAD_CONFIGS = {
     "index heads not a multiple of the KV heads": (
         _hf_overrides(num_index_heads=3),
         "msa_config does not fit this model: invalid MSA shape: num_index_heads 3 must be a multiple of num_kv_heads 2",
+    ),
+    "a KV connector not verified to carry the index-key caches (CPU offload)": (
+        ["--kv-offloading-size", "1"],
+        "--kv-offloading-size runs KV connector OffloadingConnector, which is not verified to carry FLASH_MSA's caches",
     ),
     "FlashMSAForCausalLM without msa_config": (
         ["--hf-overrides", json.dumps({"msa_config": None})],

@@ -16,9 +16,12 @@ FlashMSAForCausalLM checkpoint's msa_config.indexer_kv_dtype does (served_indexe
 
 check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
-serve stops `vllm serve` before any engine process starts, with a message naming the fix.
+serve stops `vllm serve` before any engine process starts, with a message naming the fix. That
+includes a KV connector (--kv-transfer-config, --kv-offloading-size) no test has shown to carry the
+index-key caches with the K/V (VERIFIED_KV_CONNECTORS).
 """
 
+import os
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,10 @@ SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)  # --kv
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
 SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
+# KV connectors whose transfer of FLASH_MSA's caches (each MSA layer's K/V and its index-key cache) a test runs
+# (tests/test_kv_connector.py); any other stops `vllm serve` unless named in UNVERIFIED_KV_CONNECTORS_ENV.
+VERIFIED_KV_CONNECTORS = ("ExampleConnector",)
+UNVERIFIED_KV_CONNECTORS_ENV = "FLASH_MSA_UNVERIFIED_KV_CONNECTORS"  # comma-separated names, accepted with a warning
 
 
 def _is_int(value) -> bool:
@@ -259,12 +266,14 @@ def flash_msa_selected(vllm_config: "VllmConfig") -> bool:
 
 
 def check_serving_config(vllm_config: "VllmConfig") -> None:
-    """Validate msa_config, --block-size and the tensor-parallel split for FlashMSAForCausalLM; pin the block
-    size. Pipeline parallelism splits layers, which MSA layers allow as any others."""
+    """Validate msa_config, --block-size, the tensor-parallel split and the KV connectors for FlashMSAForCausalLM;
+    pin the block size. Pipeline parallelism splits layers, which MSA layers allow as any others."""
     hf_config = vllm_config.model_config.hf_config
     msa = MSAModelConfig.from_hf_config(hf_config)
     _check_cache(vllm_config, msa)
     msa.rank_layout(hf_config, vllm_config.parallel_config.tensor_parallel_size)
+    if msa.sparse_layers(hf_config.num_hidden_layers):  # else no index-key caches (a dense baseline)
+        _check_kv_connectors(vllm_config)
 
 
 def check_minimax_m3_serving_config(vllm_config: "VllmConfig") -> None:
@@ -279,6 +288,7 @@ def check_minimax_m3_serving_config(vllm_config: "VllmConfig") -> None:
     msa = MSAModelConfig.from_minimax_m3(text_config)
     _check_cache(vllm_config, msa)
     msa.rank_layout(text_config, vllm_config.parallel_config.tensor_parallel_size)
+    _check_kv_connectors(vllm_config)
 
 
 def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
@@ -313,3 +323,47 @@ def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
     served_indexer_kv_dtype(vllm_config, msa)
     cache.block_size = msa.block_size
     cache.user_specified_block_size = True  # keeps platform and backend defaults from changing it
+
+
+def kv_connectors(vllm_config: "VllmConfig") -> list[tuple[str, str]]:
+    """(connector, the option that runs it) for every KV connector this config runs: --kv-transfer-config's (each
+    connector of a MultiConnector) and the one --kv-offloading-size adds (vLLM names it after this check runs)."""
+    named = []
+    if (transfer := vllm_config.kv_transfer_config) is not None and transfer.kv_connector:
+        option = "--kv-transfer-config"
+        if transfer.kv_connector == "MultiConnector":
+            children = transfer.kv_connector_extra_config.get("connectors", [])
+            named += [(child.get("kv_connector", "?"), f"{option} (MultiConnector)") for child in children]
+        else:
+            named.append((transfer.kv_connector, option))
+    cache = vllm_config.cache_config
+    if cache.kv_offloading_size is not None:
+        offload = {"native": "OffloadingConnector", "lmcache": "LMCacheMPConnector"}
+        named.append((offload.get(cache.kv_offloading_backend, cache.kv_offloading_backend), "--kv-offloading-size"))
+    return named
+
+
+def _check_kv_connectors(vllm_config: "VllmConfig") -> None:
+    """Refuse a KV connector no test has shown to carry each MSA layer's index-key cache with its K/V: one that
+    moves the K/V alone leaves the index keys of another request there, and long prompts then select the wrong
+    blocks, silently (short prompts, where every block is selected, hide it)."""
+    accepted = {name.strip() for name in os.environ.get(UNVERIFIED_KV_CONNECTORS_ENV, "").split(",") if name.strip()}
+    for connector, option in kv_connectors(vllm_config):
+        if connector in VERIFIED_KV_CONNECTORS:
+            continue
+        if connector in accepted:
+            logger.warning(
+                "FLASH_MSA: KV connector %s (%s) is not verified to carry MSA layers' index-key caches; accepted "
+                "because %s names it. If it moves K/V without the index keys, long prompts select wrong blocks",
+                connector,
+                option,
+                UNVERIFIED_KV_CONNECTORS_ENV,
+            )
+            continue
+        raise MSAConfigError(
+            f"{option} runs KV connector {connector}, which is not verified to carry FLASH_MSA's caches: each MSA "
+            "layer keeps its index keys in a cache of its own (<layer>.index_key_cache, pages of another size in "
+            "the K/V's KV cache group), and a connector that moves the K/V without them makes long prompts select "
+            f"the wrong blocks, silently. Verified: {', '.join(VERIFIED_KV_CONNECTORS)}. To run {connector} anyway "
+            f"(and check its answers), set {UNVERIFIED_KV_CONNECTORS_ENV}={connector}"
+        )
