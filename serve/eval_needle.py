@@ -4,18 +4,24 @@ Owns issue 19's served evaluation. For each configuration, the end-to-end benchm
 FlashMSAForCausalLM checkpoint (serve/bench_e2e.py's flash_msa_configs: `FLASH_MSA`, the checkpoint's
 trained top-k; `dense`, the same weights with every layer dense on --dense-backend), the real `vllm serve
 MODEL_DIR` starts on 127.0.0.1 (bench_e2e.start_server), gets --samples pass-key prompts per (context,
-depth) cell as token ids on /v1/completions (greedy, max_tokens MAX_TOKENS, --concurrency at a time), and
-stops. The prompts are training/needle_task.py's, the same for every configuration (seeded by cell); an
-answer is right when the completion starts with exactly the key's digits (needle_task.answer_is_correct).
+depth) cell on each of --endpoints (greedy, max_tokens MAX_TOKENS, --concurrency at a time), and stops:
+    ids    the prompt's token ids on /v1/completions (exactly the tokens training built)
+    text   the prompt's text on /v1/completions, tokenized by the server as a typed prompt is
+    chat   the prompt's text as one user message on /v1/chat/completions (the checkpoint's chat template)
+The prompts are training/needle_task.py's, the same for every configuration (seeded by cell); an answer
+is right when the completion starts with exactly the key's digits (needle_task.answer_is_correct), a chat
+reply when its first number is exactly the key.
 
     python serve/eval_needle.py MODEL_DIR [--contexts 1024 2048 4096 8192 16384 32768] [--depths 0 0.25 0.5 0.75 1]
-        [--samples 4] [--only FLASH_MSA dense] [--dense-backend FLASH_ATTN] [--concurrency 4] [--port 8123]
-        [--gpu-memory-utilization 0.9] [--out results/needle] [-- extra args for every server]
+        [--samples 4] [--endpoints ids text chat] [--only FLASH_MSA dense] [--dense-backend FLASH_ATTN]
+        [--concurrency 4] [--port 8123] [--gpu-memory-utilization 0.9] [--out results/needle]
+        [-- extra args for every server]
 
---out gets summary.md (per configuration a context x depth table, FLASH_MSA minus dense per context, the
-command), results.json (every cell, the command, each server's arguments and errors), needle-NAME.svg (a
-heat map per configuration) and the server logs. Contexts need --max-model-len = the longest + MAX_TOKENS +
-bench_e2e.PROMPT_SLACK within the checkpoint's max_position_embeddings.
+--out gets summary.md (per configuration and endpoint a context x depth table, FLASH_MSA minus dense per
+context, the command), results.json (every cell, the command, each server's arguments and errors),
+needle-NAME-ENDPOINT.svg (a heat map per configuration and endpoint) and the server logs. Contexts need
+--max-model-len = the longest + MAX_TOKENS + bench_e2e.PROMPT_SLACK within the checkpoint's
+max_position_embeddings.
 
 On one H200, the trained checkpoint (dev/gpu/README.md stages vLLM there):
 
@@ -27,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +55,7 @@ from serve.bench_e2e import (
 )
 from serve.build_demo_model import EOS
 from serve.health import DIRECT
-from training.needle_task import PassKeyTask, answer_is_correct, load_tokenizer, random_key
+from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
 
 MAX_TOKENS = 8  # " NNNNN." is 3-4 tokens, then EOS
 START_TIMEOUT_S = 1200
@@ -60,33 +68,52 @@ def cell_prompts(task: PassKeyTask, context: int, depth: float, samples: int):
     return [task.prompt(context, depth, random_key(rng), rng) for _ in range(samples)]
 
 
-def complete(url: str, prompt_ids: list[int]) -> str:
-    """Greedy completion of a token-id prompt from the server's /v1/completions."""
-    body = {"model": "bench", "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+ENDPOINTS = ("ids", "text", "chat")
+
+
+def ask(url: str, endpoint: str, prompt: PassKeyPrompt, tokenizer) -> str:
+    """The server's greedy answer to a pass-key prompt sent the endpoint's way (ENDPOINTS)."""
+    body: dict = {"model": "bench", "max_tokens": MAX_TOKENS, "temperature": 0}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": tokenizer.decode(prompt.prompt_ids)}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt.prompt_ids if endpoint == "ids" else tokenizer.decode(prompt.prompt_ids)
+        path = "/v1/completions"
+    request = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with DIRECT.open(request, timeout=REQUEST_TIMEOUT_S) as response:
-        return json.loads(response.read())["choices"][0]["text"]
+        choice = json.loads(response.read())["choices"][0]
+    return choice["message"]["content"] if endpoint == "chat" else choice["text"]
 
 
-def evaluate_server(server: Server, task: PassKeyTask, opts) -> dict[str, dict[str, float]]:
-    """Accuracy {context: {depth: share right}} of one healthy server; a failed request stops its cells."""
-    accuracy = {}
+def is_right(endpoint: str, answer: str, key: str) -> bool:
+    """A completion starts with exactly the key's digits; a chat reply's first number is exactly the key."""
+    if endpoint == "chat":
+        number = re.search(r"\d+", answer or "")
+        return number is not None and number.group() == key
+    return answer_is_correct(answer, key)
+
+
+def evaluate_server(server: Server, task: PassKeyTask, opts) -> dict[str, dict[str, dict[str, float]]]:
+    """Accuracy {endpoint: {context: {depth: share right}}} of one healthy server; a failed request stops it."""
+    accuracy: dict[str, dict[str, dict[str, float]]] = {endpoint: {} for endpoint in opts.endpoints}
     with ThreadPoolExecutor(opts.concurrency) as pool:
         for context in opts.contexts:
-            started, row = time.monotonic(), {}
-            for depth in opts.depths:
-                prompts = cell_prompts(task, context, depth, opts.samples)
-                completions = list(pool.map(lambda p: complete(server.url, p.prompt_ids), prompts))
-                right = [answer_is_correct(c, p.key) for c, p in zip(completions, prompts)]
-                row[f"{depth:g}"] = sum(right) / len(prompts)
-                wrong = [(p.key, c) for c, p, ok in zip(completions, prompts, right) if not ok]
-                if wrong:
-                    print(f"[{server.name}] {context} depth {depth:g}: wrong (key, completion): {wrong}", flush=True)
-            accuracy[str(context)] = row
-            cells = "  ".join(f"{d}: {a:.2f}" for d, a in row.items())
-            print(f"[{server.name}] {context} tokens  {cells}  ({time.monotonic() - started:.0f} s)", flush=True)
+            for endpoint in opts.endpoints:
+                started, row = time.monotonic(), {}
+                for depth in opts.depths:
+                    prompts = cell_prompts(task, context, depth, opts.samples)
+                    answers = list(pool.map(partial(ask, server.url, endpoint, tokenizer=task.tokenizer), prompts))
+                    right = [is_right(endpoint, a, p.key) for a, p in zip(answers, prompts)]
+                    row[f"{depth:g}"] = sum(right) / len(prompts)
+                    wrong = [(p.key, a) for a, p, ok in zip(answers, prompts, right) if not ok]
+                    if wrong:
+                        where = f"[{server.name} {endpoint}] {context} depth {depth:g}"
+                        print(f"{where}: wrong (key, answer): {wrong}", flush=True)
+                accuracy[endpoint][str(context)] = row
+                cells = "  ".join(f"{d}: {a:.2f}" for d, a in row.items())
+                elapsed = time.monotonic() - started
+                print(f"[{server.name} {endpoint}] {context} tokens  {cells}  ({elapsed:.0f} s)", flush=True)
     return accuracy
 
 
@@ -136,31 +163,36 @@ def summary_markdown(results: dict, opts) -> str:
         "",
         f"    {results['command']}",
         "",
-        f"{opts.samples} prompts per cell (context x needle depth), greedy, max_tokens {MAX_TOKENS}; share of "
-        "completions that start with exactly the key.",
+        f"{opts.samples} prompts per cell (context x needle depth) and endpoint, greedy, max_tokens {MAX_TOKENS}; "
+        "share of completions that start with exactly the key (chat: replies whose first number is the key). "
+        "Endpoints: ids = token ids on /v1/completions, text = the prompt's text there, chat = the text as a user "
+        "message on /v1/chat/completions.",
     ]
     for name, config in results["configs"].items():
-        accuracy = config["accuracy"]
-        lines += ["", f"## {name}: `{shlex.join(config['args'])}`", ""]
-        lines += ["| depth | " + " | ".join(str(c) for c in opts.contexts) + " |"]
-        lines += ["|---" * (len(opts.contexts) + 1) + "|"]
-        for depth in [*depths, "mean"]:
-            cells = []
-            for context in opts.contexts:
-                row = accuracy.get(str(context), {})
-                value = mean(row.get(d) for d in depths) if depth == "mean" else row.get(depth)
-                cells.append("n/a" if value is None else f"{value:.2f}")
-            lines.append(f"| {depth} | " + " | ".join(cells) + " |")
+        for endpoint in opts.endpoints:
+            accuracy = config["accuracy"].get(endpoint, {})
+            lines += ["", f"## {name}, {endpoint}: `{shlex.join(config['args'])}`", ""]
+            lines += ["| depth | " + " | ".join(str(c) for c in opts.contexts) + " |"]
+            lines += ["|---" * (len(opts.contexts) + 1) + "|"]
+            for depth in [*depths, "mean"]:
+                cells = []
+                for context in opts.contexts:
+                    row = accuracy.get(str(context), {})
+                    value = mean(row.get(d) for d in depths) if depth == "mean" else row.get(depth)
+                    cells.append("n/a" if value is None else f"{value:.2f}")
+                lines.append(f"| {depth} | " + " | ".join(cells) + " |")
         lines += [f"\nErrors: {'; '.join(config['errors'])}"] if config["errors"] else []
     if {"FLASH_MSA", "dense"} <= results["configs"].keys():
-        msa, dense = results["configs"]["FLASH_MSA"]["accuracy"], results["configs"]["dense"]["accuracy"]
         lines += ["", "## FLASH_MSA minus dense, mean over depths (goal: within 0.02 where dense >= 0.90)", ""]
-        lines += ["| context | dense | FLASH_MSA | difference |", "|---|---|---|---|"]
-        for context in opts.contexts:
-            d = mean(dense.get(str(context), {}).values())
-            m = mean(msa.get(str(context), {}).values())
-            if d is not None and m is not None:
-                lines.append(f"| {context} | {d:.2f} | {m:.2f} | {m - d:+.2f} |")
+        lines += ["| endpoint | context | dense | FLASH_MSA | difference |", "|---|---|---|---|---|"]
+        for endpoint in opts.endpoints:
+            msa = results["configs"]["FLASH_MSA"]["accuracy"].get(endpoint, {})
+            dense = results["configs"]["dense"]["accuracy"].get(endpoint, {})
+            for context in opts.contexts:
+                d = mean(dense.get(str(context), {}).values())
+                m = mean(msa.get(str(context), {}).values())
+                if d is not None and m is not None:
+                    lines.append(f"| {endpoint} | {context} | {d:.2f} | {m:.2f} | {m - d:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +205,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--samples", type=int, default=4, help="prompts per (context, depth) cell")
+    parser.add_argument(
+        "--endpoints", nargs="+", choices=ENDPOINTS, default=list(ENDPOINTS), help="how the prompts are sent"
+    )
     parser.add_argument("--only", nargs="+", help="only these configurations (FLASH_MSA, dense)")
     parser.add_argument("--dense-backend", help="backend of `dense` (default: FLASH_ATTN on CUDA, else FLASH_MSA)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
@@ -210,7 +245,13 @@ def main(argv=None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     task = PassKeyTask(load_tokenizer(opts.model_dir), EOS)
     command = shlex.join(["python", "serve/eval_needle.py", *(sys.argv[1:] if argv is None else argv)])
-    results = {"command": command, "model": str(opts.model_dir), "samples": opts.samples, "configs": {}}
+    results = {
+        "command": command,
+        "model": str(opts.model_dir),
+        "samples": opts.samples,
+        "endpoints": opts.endpoints,
+        "configs": {},
+    }
     for offset, (name, args) in enumerate(configs.items()):
         server = Server(name, args, opts.port + offset, opts.out / f"server-{name}.log")
         start_server(server, opts.gpu_memory_utilization, opts.extra, bench_opts(opts))
@@ -224,8 +265,10 @@ def main(argv=None) -> int:
             stop_server(server)
         results["configs"][name] = {"args": args + opts.extra, "accuracy": accuracy, "errors": server.errors}
         depths = [f"{d:g}" for d in opts.depths]
-        svg = heat_map_svg(f"{opts.model_dir.name}: {name}, pass-key accuracy", accuracy, opts.contexts, depths)
-        (opts.out / f"needle-{name}.svg").write_text(svg)
+        for endpoint in opts.endpoints:
+            title = f"{opts.model_dir.name}: {name}, {endpoint}, pass-key accuracy"
+            svg = heat_map_svg(title, accuracy.get(endpoint, {}), opts.contexts, depths)
+            (opts.out / f"needle-{name}-{endpoint}.svg").write_text(svg)
     (opts.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (opts.out / "summary.md").write_text(summary_markdown(results, opts))
     print(f"wrote {opts.out}/summary.md, results.json and the heat maps", flush=True)

@@ -4,10 +4,10 @@ run that stops on its time budget, resumes and exports, and the trained checkpoi
 The training model (training/msa_model.py) must compute what FlashMSAForCausalLM serves: its logits on an
 exported checkpoint equal tests/reference_model.py's (the oracle of the vLLM integration) with dense and
 with MSA layers. The served test needs the trained checkpoint at models/needle-msa (skipped without it):
-through serve/eval_needle.py, FLASH_MSA answers 2K-token prompts (16 blocks, top-4) right, and the same
-weights with random index heads answer fewer of them. The trained checkpoint's selections at M3's top-16
-(training/trained_selections.py, for the benchmarks) are valid causal picks whose neighbours agree more
-than random scores' do.
+through serve/eval_needle.py, FLASH_MSA answers 2K-token prompts (16 blocks, top-4) right, sent as token ids
+and as text, and the same weights with random index heads answer fewer of them. The trained checkpoint's
+selections at M3's top-16 (training/trained_selections.py, for the benchmarks) are valid causal picks whose
+neighbours agree more than random scores' do.
 """
 
 import json
@@ -215,10 +215,12 @@ def _with_random_index_heads(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def _served_accuracy(model_dir: Path, out: Path) -> float:
+def _served_accuracy(model_dir: Path, out: Path) -> dict[str, float]:
     """Share of 2048-token pass-key prompts (keys at depths 0.1-0.7: outside the forced last block) that
-    `vllm serve --attention-backend FLASH_MSA` answers right, through serve/eval_needle.py."""
+    `vllm serve --attention-backend FLASH_MSA` answers right, through serve/eval_needle.py, by endpoint: the
+    prompts' token ids and their text on /v1/completions."""
     args = [str(model_dir), "--only", "FLASH_MSA", "--contexts", "2048", "--depths", "0.1", "0.3", "0.5", "0.7"]
+    args += ["--endpoints", "ids", "text"]
     args += ["--samples", "1", "--concurrency", "2", "--out", str(out), "--port", str(free_port())]
     server_args = [
         "--dtype",
@@ -228,8 +230,8 @@ def _served_accuracy(model_dir: Path, out: Path) -> float:
         "--enforce-eager",
     ]  # eager: starts in half the time
     assert eval_needle.main([*args, "--", *server_args]) == 0
-    results = json.loads((out / "results.json").read_text())
-    return float(np.mean(list(results["configs"]["FLASH_MSA"]["accuracy"]["2048"].values())))
+    accuracy = json.loads((out / "results.json").read_text())["configs"]["FLASH_MSA"]["accuracy"]
+    return {endpoint: float(np.mean(list(cells["2048"].values()))) for endpoint, cells in accuracy.items()}
 
 
 @pytest.mark.slow
@@ -237,8 +239,8 @@ def _served_accuracy(model_dir: Path, out: Path) -> float:
 def test_served_trained_index_heads_find_the_key_random_ones_do_not(tmp_path):
     trained = _served_accuracy(TRAINED, tmp_path / "trained")
     random_heads = _served_accuracy(_with_random_index_heads(TRAINED, tmp_path / "random-index"), tmp_path / "random")
-    assert trained == 1.0
-    assert random_heads < trained
+    assert trained == {"ids": 1.0, "text": 1.0}, trained
+    assert random_heads["ids"] < 1.0 and random_heads["text"] < 1.0, random_heads
 
 
 @pytest.mark.skipif(not (TRAINED / "config.json").is_file(), reason="no trained checkpoint at models/needle-msa")
