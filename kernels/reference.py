@@ -71,7 +71,10 @@ def index_block_scores(
         pages, num_blocks = _request_pages(batch, r, bs)
         if num_blocks == 0:
             continue
-        keys = index_key_cache.dequantize(pages) if fp8 else index_key_cache[pages].to(dtype)
+        if isinstance(index_key_cache, Fp8IndexKeyCache):
+            keys = index_key_cache.dequantize(pages)
+        else:
+            keys = index_key_cache[pages].to(dtype)
         keys = keys.reshape(num_blocks * bs, hki, shape.index_head_dim)
         key_pos = torch.arange(num_blocks * bs, device=keys.device)
         q0, q1 = batch.query_start_loc_cpu[r], batch.query_start_loc_cpu[r + 1]

@@ -18,7 +18,7 @@ import contextlib
 import importlib
 import pkgutil
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,7 +39,7 @@ class SignatureCheck:
     def __init__(self) -> None:
         self.launches: list[Launch] = []
 
-    def __call__(self, kernel_cls: type, params) -> Callable:
+    def __call__(self, kernel_cls: Any, params) -> Callable:
         *symbolic, stream = kernel_cls.fake_arguments(params)
         assert type(stream).__name__ == "_FakeStream", f"{kernel_cls.__name__}: fake_arguments must end with the stream"
         name = kernel_cls.__name__
@@ -121,7 +121,7 @@ def stand_in_kernels(make: Callable[[type, object], Callable]) -> Iterator[None]
     from msa_kernels import ops
 
     modules = [ops, *_cute_modules()]
-    patches = [(ops, "_on_hopper", lambda device: True)]
+    patches: list[tuple[Any, str, Callable]] = [(ops, "_on_hopper", lambda device: True)]
     for module in modules[1:]:
         if hasattr(module, "compiled_kernel"):
             patches.append((module, "compiled_kernel", make))

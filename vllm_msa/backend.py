@@ -36,6 +36,7 @@ from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionImpl,
     AttentionImplBase,
+    AttentionLayer,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
@@ -56,11 +57,12 @@ logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.cache import CacheDType
 
 
 class FlashMSABackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SERVED_CACHE_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list["CacheDType"]] = list(SERVED_CACHE_DTYPES)  # type: ignore[arg-type]
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
@@ -138,9 +140,9 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         """Full graphs for uniform decode batches (single-token, or speculative verification with the same
         number of tokens per request) when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
         kernels (or, dense, FlashAttention 3)."""
-        device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
-        impls = [getattr(layer, "impl", None) for layer in compat.attention_layers(vllm_config).values()]
-        impls = [impl for impl in impls if isinstance(impl, (FlashMSAImpl, MSAImpl))]
+        device, dtype = compat.model_device_and_dtype(vllm_config)
+        layers = compat.attention_layers(vllm_config).values()
+        impls = [impl for layer in layers if isinstance(impl := getattr(layer, "impl", None), (FlashMSAImpl, MSAImpl))]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
             return AttentionCGSupport.UNIFORM_BATCH
         return AttentionCGSupport.NEVER
@@ -157,6 +159,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         )
         # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
         batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        assert self.reorder_batch_threshold is not None  # set in __init__
         batch.split(compat.num_decode_requests(m, self.reorder_batch_threshold))
         return FlashMSAMetadata(
             batch=batch,
@@ -232,7 +235,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
     def forward(
         self,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -250,7 +253,8 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         fp8_kv = reference.is_fp8_kv(kv_cache)
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size, fp8_kv)
         if version is not None:
-            q, k, v, descales = query[:n], kv_cache[:, 0], kv_cache[:, 1], {}  # K, V: strided views of the pages
+            descales: dict[str, torch.Tensor] = {}
+            q, k, v = query[:n], kv_cache[:, 0], kv_cache[:, 1]  # K, V: strided views of the pages
             if fp8_kv:
                 q, k, v, descales = fp8_flash_attn_inputs(layer, q, k, v, batch.num_requests)
             compat.flash_attn_varlen(
@@ -360,7 +364,7 @@ def dense_flash_attn_version(
 
 
 def fp8_flash_attn_inputs(
-    layer: torch.nn.Module | None,
+    layer: object,
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -397,7 +401,7 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
     steps to the PyTorch path on a GPU (ops.unserved_reason)."""
     tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
     layout = msa.rank_layout(hf_config, tp_size, tp_rank)
-    device, dtype, shape = vllm_config.device_config.device, vllm_config.model_config.dtype, layout.shape
+    (device, dtype), shape = compat.model_device_and_dtype(vllm_config), layout.shape
     keys = served_index_key_dtype(vllm_config, msa)
     fp8_kv = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
     logger.info(
@@ -425,25 +429,25 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         )
 
 
-def layer_kv_scales(layer: torch.nn.Module | None) -> tuple[float, float]:
+def layer_kv_scales(layer: object) -> tuple[float, float]:
     """(k_scale, v_scale) of an attention layer's FP8 K/V cache, vLLM's or MSAAttention (1.0 unless its checkpoint
     carries scales)."""
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
 
 def layer_scale_tensors(
-    layer: torch.nn.Module | None, device: torch.device
+    layer: object, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_scale, k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache as vLLM's cache and FlashAttention
     ops take them, float32 tensors of one element (1 where the layer has none)."""
     unit = compat.unit_scale(device)
-    scales = tuple(getattr(layer, name, unit) for name in ("_q_scale", "_k_scale", "_v_scale"))
-    if any(scale.numel() != 1 for scale in scales):
+    q_scale, k_scale, v_scale = (getattr(layer, name, unit) for name in ("_q_scale", "_k_scale", "_v_scale"))
+    if any(scale.numel() != 1 for scale in (q_scale, k_scale, v_scale)):
         raise NotImplementedError(
             "FLASH_MSA reads FP8 K/V caches with one q/k/v scale per tensor: this checkpoint's per-head scales are "
             "not served; serve it without --kv-cache-dtype fp8"
         )
-    return scales
+    return q_scale, k_scale, v_scale
 
 
 def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -471,7 +475,7 @@ def write_paged(
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer: torch.nn.Module | None = None,
+    layer: object = None,
 ) -> None:
     """Store the step's rows into paged caches [num_pages, B, heads, dim] at flat slots (< 0: skipped); an FP8
     K/V cache gets the e4m3 of key / k_scale and value / v_scale, the scales of the attention layer given (1 without

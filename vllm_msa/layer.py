@@ -14,7 +14,7 @@ K/V and its index keys (two vLLM layers: the index-key cache is its own) and sav
 own per-layer hooks, as vLLM's attention ops do.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
-from vllm_msa.backend import FlashMSABackend, MSAImpl, layer_kv_scales
+from vllm_msa.backend import FlashMSABackend, FlashMSAMetadata, MSAImpl, layer_kv_scales
 from vllm_msa.config import FP8_CACHE_DTYPES, MSAConfigError, RankLayout
 from vllm_msa.index_key_cache import IndexKeyCache
 from vllm_msa.observer import OBSERVER
@@ -38,6 +38,7 @@ logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
+    impl: MSAImpl  # type: ignore[assignment]  # an AttentionImplBase, as vLLM's own M3 sparse layers hold
     def __init__(
         self,
         layout: RankLayout,
@@ -117,7 +118,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             output.zero_()
             return
         s, impl = self.shape, self.impl
-        metadata, index_metadata = attn_metadata[self.layer_name], attn_metadata[self.index_key_cache.prefix]
+        metadata = cast(FlashMSAMetadata, attn_metadata[self.layer_name])
+        index_metadata = cast(FlashMSAMetadata, attn_metadata[self.index_key_cache.prefix])
         index_key_cache = self.index_key_cache.pages()
         step = OBSERVER.layer_step(self.layer_name, q.device)
         key, value = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
@@ -171,7 +173,7 @@ def _msa_attention(
     output: torch.Tensor,
     layer_name: str,
 ) -> None:
-    layer = compat.step_layer(layer_name)
+    layer = cast(MSAAttention, compat.step_layer(layer_name))
     _with_index_keys(layer.index_key_cache.prefix, layer.run, q, k, v, index_q, index_k, output)
 
 

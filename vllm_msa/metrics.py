@@ -194,6 +194,7 @@ class StepStats:
 
     def _warn_saturated(self) -> None:
         """Once per process, when the file first shows saturated K/V values."""
+        assert self.file_values is not None  # publish writes the file first
         saturated = int(self.file_values[COUNTERS_INDEX["kv_saturated"]])
         if saturated and not self.warned_saturated:
             self.warned_saturated = True

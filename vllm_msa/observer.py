@@ -53,7 +53,7 @@ class LayerStep:
         if prefill is None:
             return
         start, stop = (decode.num_tokens if decode is not None else 0), metadata.num_actual_tokens
-        self.observer.stats.count_saturated(key[start:stop], value[start:stop], kv_scales)
+        self.observer.step_stats().count_saturated(key[start:stop], value[start:stop], kv_scales)
 
     def done(self, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
         """The call ended with this selection [T, Hi, K] (-1 = none), on the layer's metadata."""
@@ -73,8 +73,13 @@ class StepObserver:
     def register(self, layer_name: str, layout: RankLayout) -> None:
         """An MSA layer being built (under vLLM's config of its model)."""
         self.layers[layer_name] = layout
-        self.model_name = compat.current_vllm_config().model_config.served_model_name
+        self.model_name = str(compat.current_vllm_config().model_config.served_model_name)  # one name, once resolved
         self.logs_selection = compat.tensor_parallel_rank_and_size()[0] == 0
+
+    def step_stats(self) -> metrics.StepStats:
+        """The totals, which the first layer call created (layer_step)."""
+        assert self.stats is not None, "a layer call records before its layer_step"
+        return self.stats
 
     def layer_step(self, layer_name: str, device: torch.device) -> LayerStep:
         if self.stats is None:
@@ -88,8 +93,9 @@ class StepObserver:
             block_size = self.layers[last].shape.block_size
             decode, _ = batch.split()  # the builder's split of the step
             decode_tokens = decode.num_tokens if decode is not None else 0
-            self.stats.record(selected, batch.positions, block_size, decode_tokens, layers=len(self.layers))
-            self.stats.publish()
+            stats = self.step_stats()
+            stats.record(selected, batch.positions, block_size, decode_tokens, layers=len(self.layers))
+            stats.publish()
         if (  # the capture query (a CUDA call) only where a selection is to be logged
             selection_log.labels_by_key
             and self.logs_selection

@@ -50,6 +50,10 @@ class SelectionLog(LogitsProcessor):
     def __init__(self, vllm_config: "VllmConfig", *runner_state: object) -> None:
         labels_by_key.clear()
 
+    def apply(self, logits: torch.Tensor, *step_context: object) -> torch.Tensor:
+        """The logits unchanged (V2 passes the step's context too)."""
+        return logits
+
     if LOGITS_PROCESSOR_API == 1:
 
         def is_argmax_invariant(self) -> bool:
@@ -57,9 +61,6 @@ class SelectionLog(LogitsProcessor):
 
         def update_state(self, batch_update) -> None:
             process_dict_updates(labels_by_key, batch_update, lambda params, _prompt, _output: _label(params))
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            return logits
 
     else:
 
@@ -70,9 +71,6 @@ class SelectionLog(LogitsProcessor):
             else:
                 labels_by_key[req_idx] = label
             return False  # never changes logits
-
-        def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
-            return logits
 
 
 def log_selection(

@@ -10,7 +10,7 @@ the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama p
 """
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from vllm_msa.config import MSAModelConfig, served_index_key_dtype
 from vllm_msa.layer import MSAAttention
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import LlamaConfig, PretrainedConfig
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
@@ -110,7 +110,8 @@ class FlashMSADecoderLayer(LlamaDecoderLayer):
     def __init__(self, vllm_config: VllmConfig, prefix: str = "", config: "PretrainedConfig | None" = None) -> None:
         config = config or vllm_config.model_config.hf_config
         sparse = MSAModelConfig.from_hf_config(config).is_sparse(extract_layer_index(prefix))
-        super().__init__(vllm_config, prefix, config, attn_layer_type=FlashMSAAttention if sparse else LlamaAttention)
+        attention = FlashMSAAttention if sparse else LlamaAttention
+        super().__init__(vllm_config, prefix, cast("LlamaConfig", config), attn_layer_type=attention)
 
 
 class FlashMSAForCausalLM(LlamaForCausalLM):

@@ -13,7 +13,7 @@ CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA g
 """
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -137,7 +137,10 @@ def _sparse_attention_class(cls: type[nn.Module]):
         _M3_MODEL_MODULE.MiniMaxM3SparseAttention = original
 
 
-class FlashMSAMiniMaxM3ForCausalLM(_M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM):
+_M3_FOR_CAUSAL_LM: Any = _M3_MODEL_MODULE.MiniMaxM3SparseForCausalLM  # vLLM's M3 model class, nvidia or amd
+
+
+class FlashMSAMiniMaxM3ForCausalLM(_M3_FOR_CAUSAL_LM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         if not flash_msa_selected(vllm_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
