@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from msa_kernels import reference
-from msa_kernels.bench.problems import M3_SHAPE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes, quantize_rows
-from msa_kernels.shapes import MSAShape
+from msa_kernels.shapes import M3_SHAPE, MSAShape
 from msa_kernels.stand_ins import SignatureCheck, check_arguments, stand_in_kernels
 from msa_kernels.testing import make_case
 
@@ -96,7 +95,7 @@ def test_fp8_index_key_write_kernel_compiles_for_sm90a(hki, dp, sm90a):
     ids=["index_scores", "index_key_write"],
 )
 def test_fp8_kernels_round_as_the_reference_in_their_ptx(kernel_cls, params, sm90a):
-    """What makes the kernels' e4m3 bytes the reference's (kernels/cute/fp8_rows.py): IEEE divisions, never an
+    """What makes the kernels' e4m3 bytes the reference's (msa_kernels/cute/fp8_rows.py): IEEE divisions, never an
     approximate one, and one round-to-nearest-even saturating cvt from float32, never through f16."""
     import cutlass.cute as cute
 
@@ -121,7 +120,7 @@ def test_fp8_kernels_round_as_the_reference_in_their_ptx(kernel_cls, params, sm9
     ids=["index_scores", "index_scores_fp8", "topk_cta", "topk_warp", "sparse_attention", "combine"],
 )
 def test_decode_chain_kernels_wait_for_the_previous_kernel_first(kernel_cls, params, sm90a, monkeypatch):
-    """Launched with programmatic dependent launch (kernels/cute/pdl.py), a kernel may start before the one it
+    """Launched with programmatic dependent launch (msa_kernels/cute/pdl.py), a kernel may start before the one it
     reads from has finished: its launch must carry the attribute (the host IR), and before griddepcontrol.wait
     its PTX may only read its parameters and compute (no memory access, branch or call of any kind)."""
     import re
@@ -222,7 +221,7 @@ def test_kernel_cache_replaces_an_unreadable_file(sm90a):
 
 
 def test_compiled_kernels_refuse_misaligned_tensors(sm90a):
-    """The compiled function checks its tensors against kernels/cute/fake.py before it touches the GPU: a
+    """The compiled function checks its tensors against kernels/msa_kernels/cute/fake.py before it touches the GPU: a
     base address off the 16-byte alignment partial_out declares is a ValueError, compiled and loaded."""
     params = CombineParams(8, 32, 2)
     misaligned = torch.zeros(2 * 3 * 8 * 32 + 1)[1:].view(2, 3, 8, 32)

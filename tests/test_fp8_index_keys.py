@@ -75,7 +75,7 @@ def test_pages_hold_the_values_then_the_scales_at_vllms_indexer_key_offsets():
 
 
 def _shape(**overrides) -> MSAShape:
-    """kernels/testing.small_shape with 2 index-key heads of 2 index heads each and 32-wide index keys."""
+    """msa_kernels.testing.small_shape with 2 index-key heads of 2 index heads each and 32-wide index keys."""
     return small_shape(**({"num_index_heads": 4, "num_index_key_heads": 2, "index_head_dim": 32} | overrides))
 
 
@@ -206,8 +206,8 @@ def test_ops_writes_fp8_index_keys_off_hopper_through_the_reference():
 
 
 def test_agreement_benchmark_counts_sets_blocks_and_cosines():
-    """kernels/bench/fp8_agreement.py's bookkeeping: with top-k covering every block nothing can differ."""
-    from msa_kernels.bench.fp8_agreement import Agreement, random_inputs
+    """bench/fp8_agreement.py's bookkeeping: with top-k covering every block nothing can differ."""
+    from bench.fp8_agreement import Agreement, random_inputs
 
     every_block = _shape(num_index_key_heads=1, index_head_dim=128, topk_blocks=8, block_size=128)
     agreement = Agreement()

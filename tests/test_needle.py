@@ -23,7 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from msa_kernels.bench.problems import M3_SHAPE, load_trained_selections, mean_union
+from bench.problems import load_trained_selections, mean_union
+from msa_kernels.shapes import M3_SHAPE
 from serve import eval_needle
 from serve.build_demo_model import EOS
 from tests.reference_model import ReferenceFlashMSA

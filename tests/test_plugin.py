@@ -287,7 +287,7 @@ def test_msa_op_is_where_piecewise_cuda_graphs_split_like_vllm_attention_ops():
 def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
     from types import SimpleNamespace
 
-    from msa_kernels.bench.problems import M3_SHAPE
+    from msa_kernels.shapes import M3_SHAPE
     from serve.build_demo_model import PRESETS, make_config
 
     hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))

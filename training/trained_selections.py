@@ -15,7 +15,7 @@ tile and index head (the prefill kernel's tile: 16 = neighbours agree fully, 61 
 own block) beside random scores' (window 1).
 
 --out gets {"contexts": {context: int16 [T, Hi, k] selection}, "topk", "layer", "model", "depth",
-"mean_union": {context: float}}; kernels/bench/problems.load_trained_selections reads it (the GPU
+"mean_union": {context: float}}; bench/problems.load_trained_selections reads it (the GPU
 benchmarks take it with --trained FILE). CPU: a 32K prompt takes a minute or two.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from msa_kernels.bench.problems import mean_union
+from bench.problems import mean_union
 from msa_kernels.reference import topk_blocks
 from serve.build_demo_model import EOS
 from training.msa_model import apply_rope, block_scores, load_checkpoint, rope_tables

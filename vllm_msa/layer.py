@@ -39,6 +39,7 @@ logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 class MSAAttention(nn.Module, compat.AttentionLayerBase):
     impl: MSAImpl  # type: ignore[assignment]  # an AttentionImplBase, as vLLM's own M3 sparse layers hold
+
     def __init__(
         self,
         layout: RankLayout,

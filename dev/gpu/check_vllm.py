@@ -59,7 +59,7 @@ import torch  # noqa: E402
 # The repository's timing helper by its path: this runs right after the kit's install, before the plugin (and its
 # msa_kernels package) is installed.
 _timing_spec = importlib.util.spec_from_file_location(
-    "msa_timing", Path(__file__).resolve().parents[2] / "kernels" / "bench" / "timing.py"
+    "msa_timing", Path(__file__).resolve().parents[2] / "bench" / "timing.py"
 )
 _timing = importlib.util.module_from_spec(_timing_spec)
 _timing_spec.loader.exec_module(_timing)

@@ -40,27 +40,27 @@ check() {  # NAME: run one named check
   case $1 in
     tests) run pytest_cute 480 python3 -m pytest -q -rf --tb=short "${workers[@]}" tests/test_cute_kernels.py ;;
     dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
-    memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 kernels/bench/sanitize.py ;;
-    racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 kernels/bench/sanitize.py ;;
-    topk) run bench_topk 60 python3 kernels/bench/bench_topk.py ;;
+    memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 -m bench.sanitize ;;
+    racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 -m bench.sanitize ;;
+    topk) run bench_topk 60 python3 -m bench.bench_topk ;;
     # decode sections (the prefill attention: prefill_attention, and peers)
-    sparse) run bench_sparse_attention 300 python3 kernels/bench/bench_sparse_attention.py --sections decode fp8_kv \
+    sparse) run bench_sparse_attention 300 python3 -m bench.bench_sparse_attention --sections decode fp8_kv \
       splits ;;
-    index) run bench_index_scores 150 python3 kernels/bench/bench_index_scores.py ;;
-    prefill) run bench_prefill_index 200 python3 kernels/bench/bench_prefill_index.py ;;
-    prefill_1m) run bench_prefill_index_1m 200 python3 kernels/bench/bench_prefill_index.py --contexts 1048576 \
+    index) run bench_index_scores 150 python3 -m bench.bench_index_scores ;;
+    prefill) run bench_prefill_index 200 python3 -m bench.bench_prefill_index ;;
+    prefill_1m) run bench_prefill_index_1m 200 python3 -m bench.bench_prefill_index --contexts 1048576 \
       --new-tokens 16384 ;;
-    prefill_attention) run bench_prefill_attention 300 python3 kernels/bench/bench_prefill_attention.py "${trained[@]}" ;;
-    peers) run bench_vs_vllm_m3 300 python3 kernels/bench/bench_vs_vllm_m3.py --out "$out/vs_vllm_m3" ;;
-    long) run bench_long_decode 240 python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 \
+    prefill_attention) run bench_prefill_attention 300 python3 -m bench.bench_prefill_attention "${trained[@]}" ;;
+    peers) run bench_vs_vllm_m3 300 python3 -m bench.bench_vs_vllm_m3 --out "$out/vs_vllm_m3" ;;
+    long) run bench_long_decode 240 python3 -m bench.bench_vs_vllm_m3 --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
-    host) run bench_host_overhead 120 python3 kernels/bench/bench_host_overhead.py ;;
+    host) run bench_host_overhead 120 python3 -m bench.bench_host_overhead ;;
     # Nsight Compute on the prefill index-score kernel at 32K: bench_prefill_index.py times the bf16 kernel with
     # 6 launches, then the FP8 one: --launch-skip 5 profiles the last bf16 launch and the first FP8 one.
     profile_prefill) run ncu_prefill_index 300 ncu --kernel-name regex:PrefillIndexScore --launch-skip 5 \
       --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section InstructionStats python3 kernels/bench/bench_prefill_index.py --contexts 32768 ;;
+      --section InstructionStats python3 -m bench.bench_prefill_index --contexts 32768 ;;
     *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m prefill_attention peers" \
       "long host profile_prefill)" >&2; return 2 ;;
   esac

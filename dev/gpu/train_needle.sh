@@ -10,8 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 tokenizer=${1:?usage: dev/gpu/train_needle.sh TOKENIZER_DIR}
 out=/tmp/needle_out
-mkdir -p "$out" /tmp/needle_pkgs
-ln -sfn "$PWD/kernels" /tmp/needle_pkgs/msa_kernels # kernels/ imports as msa_kernels (pyproject.toml)
-PYTHONPATH="$PWD:/tmp/needle_pkgs" python3 -m training.train_needle --tokenizer "$tokenizer" --out "$out" \
+mkdir -p "$out"
+PYTHONPATH="$PWD:$PWD/kernels" python3 -m training.train_needle --tokenizer "$tokenizer" --out "$out" \
   --preset h200 --time-budget-s "${BUDGET:-450}" --fit-time >> "$out/train.log" 2>&1
 echo $? > "$out/exit_code"

@@ -1,6 +1,6 @@
 """Benchmark: prefill sparse attention, per-token kernel vs prefill (token-tile) kernel vs dense, in one run.
 
-    python kernels/bench/bench_prefill_attention.py   (on the GPU machine, CuTeDSL installed)
+    python -m bench.bench_prefill_attention   (on the GPU machine, CuTeDSL installed)
 
 M3 shapes (Hq 64, Hkv 4, D 128, Hi 4, k 16, bf16), one sequence whose tokens are all new. The two
 CuTeDSL kernels compute the same function:
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, load_trained_selections, mean_union, prefill_problem
-from msa_kernels.bench.timing import ceilings, timed
+from bench.problems import CONTEXTS, M3_SHAPE, SCALE, load_trained_selections, mean_union, prefill_problem
+from bench.timing import ceilings, timed
 from msa_kernels.cute import sparse_attn, sparse_attn_prefill
 
 TILE = sparse_attn_prefill.ROWS // M3_SHAPE.heads_per_index_head  # tokens per prefill tile: 4 for M3 (64 / 16)

@@ -1,11 +1,11 @@
 """Host (Python) time of one eager MSA layer call at M3 shapes, as the backend makes it, with a cProfile breakdown.
 
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_host_overhead.py [--calls N] [--group G] [--top K]
+    python3 -m bench.bench_host_overhead [--calls N] [--group G] [--top K]
         [--python-only]
 
 (on the GPU machine, CuTeDSL installed; with --python-only anywhere, see below). Cases: decode
 batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
-SCALE, paged_problem of msa_kernels.bench.problems; ops.select_blocks into the step's selection
+SCALE, paged_problem of bench.problems; ops.select_blocks into the step's selection
 (ops.layer_selection), ops.sparse_attention into a preallocated output, as vllm_msa's backend calls them).
 Each case reuses one batch, as the layers of a step share theirs, so what is measured is a layer's own cost,
 not the step's.
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 
+from bench.problems import M3_SHAPE, SCALE, paged_problem
 from msa_kernels import ops
-from msa_kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
 from msa_kernels.stand_ins import no_op, stand_in_kernels
 
-REPO = str(Path(__file__).resolve().parents[2]) + "/"
+REPO = str(Path(__file__).resolve().parents[1]) + "/"
 CONTEXT = 32768
 CASES = {  # name: requests (context tokens, of which new)
     "decode batch 1": [(CONTEXT, 1)],

@@ -1,6 +1,6 @@
-"""Benchmark: the CuTeDSL top-k kernel by threads per row (kernels/cute/topk_blocks.py), decode and prefill rows.
+"""Benchmark: the CuTeDSL top-k kernel by threads per row (msa_kernels/cute/topk_blocks.py), decode and prefill rows.
 
-    python kernels/bench/bench_topk.py [--row-threads 32 128 256 512 1024] [--contexts 8192 32768 131072 1048576]
+    python -m bench.bench_topk [--row-threads 32 128 256 512 1024] [--contexts 8192 32768 131072 1048576]
         (GPU machine, CuTeDSL installed)
 
 M3's selection (top-16 of 128-token blocks, the query's own block forced) on random fp32 block scores, -inf past
@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
+from bench.problems import DECODE_BATCHES, M3_SHAPE
+from bench.timing import graph_timed, timed
 from msa_kernels import reference
-from msa_kernels.bench.problems import DECODE_BATCHES, M3_SHAPE
-from msa_kernels.bench.timing import graph_timed, timed
 from msa_kernels.cute import topk_blocks
 
 

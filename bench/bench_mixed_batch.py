@@ -1,6 +1,6 @@
 """Benchmark: one MSA layer on steps that mix decode requests with a prefill chunk (chunked prefill), M3 shapes.
 
-    python kernels/bench/bench_mixed_batch.py   (on the GPU machine, CuTeDSL installed)
+    python -m bench.bench_mixed_batch   (on the GPU machine, CuTeDSL installed)
 
 Each case is one vLLM step: N decode requests (one new token each) and one request prefilling a chunk,
 decode requests first as vLLM's scheduler orders them. Columns: the layer (index scores, top-k, sparse
@@ -16,9 +16,9 @@ import time
 
 import torch
 
+from bench.problems import M3_SHAPE, SCALE, paged_problem
+from bench.timing import timed
 from msa_kernels import ops
-from msa_kernels.bench.problems import M3_SHAPE, SCALE, paged_problem
-from msa_kernels.bench.timing import timed
 
 CASES = (  # (decode requests, their context, prefill chunk tokens, the chunk request's context)
     (32, 8192, 512, 8192),

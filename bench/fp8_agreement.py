@@ -2,7 +2,7 @@
 and an FP8 K/V cache do to the attention output, and to greedy tokens. Runs on CPU (the reference defines what the
 kernels compute), from the repository root:
 
-    PYTHONPATH=. python -m msa_kernels.bench.fp8_agreement [--contexts 4096 16384 65536 131072]
+    PYTHONPATH=. python -m bench.fp8_agreement [--contexts 4096 16384 65536 131072]
         [--tokens 32] [--demo-contexts 2048 8192 32768] [--m3-contexts 2048 8192]
         [--greedy-lengths 1024 2048 4096] [--greedy-tokens 16] [--greedy-presets default m3-attention]
         [--models-dir DIR]
@@ -44,8 +44,8 @@ from unittest import mock
 
 import torch
 
+from bench.problems import M3_SHAPE, SCALE
 from msa_kernels import ops
-from msa_kernels.bench.problems import M3_SHAPE, SCALE
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, dequantize_rows
 from msa_kernels.reference import fp8_kv_cache
 from msa_kernels.shapes import MSAShape, PagedBatch

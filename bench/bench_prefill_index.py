@@ -1,8 +1,8 @@
-"""Prefill index scores (kernels/cute/index_scores_prefill.py) at M3 shapes, bf16 and FP8 index keys side by
+"""Prefill index scores (kernels/msa_kernels/cute/index_scores_prefill.py) at M3 shapes, bf16 and FP8 index keys side by
 side: time, TFLOP/s against the bf16 and e4m3 matmul rates measured in the same run, and the whole MSA
 prefill layer (ops.msa_attention) with each index-key cache.
 
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_prefill_index.py [--contexts N ...]
+    python3 -m bench.bench_prefill_index [--contexts N ...]
         [--new-tokens C] [--modules M ...]
 
 One sequence of N tokens, pages shuffled; all N are new, or with --new-tokens C the last C of them (a chunk
@@ -20,9 +20,9 @@ import importlib
 
 import torch
 
+from bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
+from bench.timing import ceilings, fp8_matmul_rate, timed
 from msa_kernels import ops
-from msa_kernels.bench.problems import CONTEXTS, M3_SHAPE, SCALE, paged_problem
-from msa_kernels.bench.timing import ceilings, fp8_matmul_rate, timed
 from msa_kernels.cute import index_scores_prefill
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows

@@ -21,7 +21,7 @@ Threads per row (TopkBlocksParams.row_threads): a CTA of 128-1024 threads per ro
 scans cross warps through shared memory with a CTA barrier each, or one warp per row (32: a CTA of 4 warps
 holds 4 index heads of a token, each warp with its own histogram), synchronised by warp barriers only:
 fewer threads per row, but many rows (prefill, large decode batches) keep every SM busy anyway.
-kernels/bench/bench_topk.py times the choices.
+bench/bench_topk.py times the choices.
 """
 
 import functools

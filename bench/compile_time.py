@@ -1,6 +1,6 @@
 """Compile time of every CuTeDSL kernel at the M3 shapes, and the cost of loading it from the disk cache.
 
-    python kernels/bench/compile_time.py        (GPU machine; or CPU with CUTE_DSL_ARCH=sm_90a)
+    python -m bench.compile_time        (GPU machine; or CPU with CUTE_DSL_ARCH=sm_90a)
 
 Uses a fresh cache directory, so the first column is a cold compile and the second a later
 process's load of the exported object file (msa_kernels.cute.runtime.compiled_kernel).
@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 
-from msa_kernels.bench.problems import M3_SHAPE as S
+from bench.problems import M3_SHAPE as S
 from msa_kernels.cute.combine import CombineKernel, CombineParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams

@@ -2,7 +2,7 @@
 where it stalls):
 
     ncu --clock-control none --launch-skip 40 --launch-count 8 --section SpeedOfLight --section Occupancy \
-        --section WarpStateStats python3 kernels/bench/profile_decode_layer.py --context 131072 --batch 1 --ncu
+        --section WarpStateStats python3 -m bench.profile_decode_layer --context 131072 --batch 1 --ncu
 
 Builds bench_vs_vllm_m3's random case (shuffled pages, NaN in unowned slots) and calls the layer (index
 scores, top-k, sparse attention, combine: ops.msa_attention) --calls times; the first calls compile and warm
@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from msa_kernels.bench.bench_vs_vllm_m3 import our_steps, random_case
-from msa_kernels.bench.problems import M3_SHAPE
+from bench.bench_vs_vllm_m3 import our_steps, random_case
+from bench.problems import M3_SHAPE
 
 
 def main() -> None:

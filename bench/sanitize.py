@@ -1,8 +1,8 @@
 """Small MSA layer runs for compute-sanitizer: every CuTeDSL kernel, on M3 and demo shapes.
 
-    python3 kernels/bench/sanitize.py                                   # GPU machine, CuTeDSL staged
-    compute-sanitizer --tool memcheck python3 kernels/bench/sanitize.py
-    compute-sanitizer --tool racecheck python3 kernels/bench/sanitize.py
+    python3 -m bench.sanitize                                   # GPU machine, CuTeDSL staged
+    compute-sanitizer --tool memcheck python3 -m bench.sanitize
+    compute-sanitizer --tool racecheck python3 -m bench.sanitize
 
 Run it plainly first: the sanitized runs then load the kernels from the disk cache
 (msa_kernels.cute.runtime.compiled_kernel) instead of compiling under the sanitizer. Each case runs
@@ -19,8 +19,8 @@ run the decode kernel's 16-elements-a-lane variant (index_scores.lane_elems_for)
 
 import torch
 
+from bench.problems import M3_SHAPE as M3
 from msa_kernels import ops, reference
-from msa_kernels.bench.problems import M3_SHAPE as M3
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.shapes import MSAShape
 from msa_kernels.testing import make_case

@@ -1,11 +1,11 @@
 """Benchmark: CuTeDSL index block scores (decode) on bf16 and on FP8 index keys, against the PyTorch reference
 and the H200's copy bandwidth, and the whole decode MSA layer (ops.msa_attention) on each index-key cache.
 
-    python kernels/bench/bench_index_scores.py   (on the GPU machine, CuTeDSL installed)
+    python -m bench.bench_index_scores   (on the GPU machine, CuTeDSL installed)
 
 M3 index shapes: Hi 4, Hki 1, Dp 128; one query token per sequence. The same keys run as bf16 pages
-(kernels/cute/index_scores.py) and as FP8 pages (msa_kernels.fp8_index_keys, quantised once;
-kernels/cute/index_scores_fp8.py) in the same run. Bytes
+(kernels/msa_kernels/cute/index_scores.py) and as FP8 pages (msa_kernels.fp8_index_keys, quantised once;
+kernels/msa_kernels/cute/index_scores_fp8.py) in the same run. Bytes
 per call are the kernel's required traffic: contexts * Dp * 2 (bf16 keys), contexts * (Dp + 4) (e4m3 keys
 and their float32 scales). The layer columns replay the layer from a CUDA graph (as vLLM's decode runs it),
 index keys bf16 and FP8, K/V bf16; "layer fp8/bf16" is issue 17's decode target (<= 0.6 at 128K x 32).
@@ -14,9 +14,9 @@ The bf16 kernel loads 16 key elements a lane for a single token and 8 for more (
 
 import time
 
+from bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
+from bench.timing import ceilings, graph_timed, timed
 from msa_kernels import ops, reference
-from msa_kernels.bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE, SCALE, paged_problem
-from msa_kernels.bench.timing import ceilings, graph_timed, timed
 from msa_kernels.cute import index_scores, index_scores_fp8
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 

@@ -11,7 +11,7 @@ Data flow of one MSA layer (msa_attention), once the paged caches hold the step'
 
 Each step of a part runs a CuTeDSL kernel (kernels/cute) where the input is on a Hopper GPU with
 CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the next kernel of the list,
-else the PyTorch reference (kernels/reference.py):
+else the PyTorch reference (kernels/msa_kernels/reference.py):
 
     step              decode part                          prefill part
     index scores      index_scores.py (bf16 keys),         index_scores_prefill.py (bf16 or FP8 keys),
@@ -35,14 +35,14 @@ index_scores_prefill.py's FP8 variant (e4m3 warpgroup MMAs; where it does not se
 kernel; where neither does, the reference, and a one-time warning says so). All compute the reference's
 function (the index queries rounded to e4m3 per token and index head), so a token selects the same blocks in
 either phase up to the MMAs' summation (float32 in decode; the FP8 warpgroup MMAs accumulate with less
-precision: kernels/cute/index_scores_prefill.py). With the decode and write kernels an FP8 decode step, like a
+precision: msa_kernels/cute/index_scores_prefill.py). With the decode and write kernels an FP8 decode step, like a
 bf16 one, can be captured in a full CUDA graph (graph_capturable).
 """
 
 import functools
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -139,8 +139,8 @@ def _steps(
         decode = index_scores.index_block_scores
         steps = steps._replace(index_scores=decode, selection_scores=functools.partial(decode, scratch=True))
     elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
-        decode = index_scores_fp8.fp8_index_block_scores
-        steps = steps._replace(index_scores=decode, selection_scores=functools.partial(decode, scratch=True))
+        fp8_decode = index_scores_fp8.fp8_index_block_scores
+        steps = steps._replace(index_scores=fp8_decode, selection_scores=functools.partial(fp8_decode, scratch=True))
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
@@ -321,7 +321,7 @@ def layer_selection(batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
     return batch.scratch("selected blocks", (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), torch.int32)
 
 
-def _score_chunks(part: PagedBatch, shape: MSAShape) -> list[tuple[slice | None, PagedBatch]]:
+def _score_chunks(part: PagedBatch, shape: MSAShape) -> Sequence[tuple[slice | None, PagedBatch]]:
     """[(None, part)], or, where its block scores [T, Hi, max_blocks] fp32 would pass SCORE_BYTES (a long
     prefill: one 128K-token chunk of a 1M context would need 16 GiB), runs of its tokens whose scores fit,
     scored and selected one after the other (PagedBatch.token_chunks). Decode parts always fit."""

@@ -72,6 +72,18 @@ class MSAShape:
         return self.num_index_heads // self.num_index_key_heads
 
 
+# One MSA layer of MiniMax-M3 (the production MSA model): the shape the kernels are tuned and benchmarked at.
+M3_SHAPE = MSAShape(
+    num_q_heads=64,
+    num_kv_heads=4,
+    head_dim=128,
+    num_index_heads=4,
+    num_index_key_heads=1,
+    index_head_dim=128,
+    topk_blocks=16,
+)
+
+
 @dataclass
 class PagedBatch:
     """A varlen batch of query tokens against paged caches, in vLLM's terms.
