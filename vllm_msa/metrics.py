@@ -31,9 +31,10 @@ Which layer call records and publishes, on which rank, is decided in observer.py
 Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K] selection, counted
 for every MSA layer of the process (each selects min(K, visible blocks) blocks per token and index
 head, whatever the scores), on its device and without a host sync, so a CUDA graph records them
-(its padding tokens count nothing); on a 2-core CPU 64 us for an 8-token decode step, 0.3 ms for a 2048-token
+(its padding tokens count nothing); on a 2-core CPU 0.23 ms for an 8-token decode step, 0.5 ms for a 2048-token
 chunk. With an FP8 K/V cache, each MSA layer call of a step with prompt tokens adds five ops counting its
-saturated K/V values (never in a decode-only step). Then, once per step, the 15 device totals and 3 timing
+saturated K/V values (never in a decode-only step): 0.28 ms for a 2048-token chunk of the demo's K/V on that
+CPU (results/README.md, "Cost of the sparse-layer metrics"). Then, once per step, the 15 device totals and 3 timing
 totals (float64) are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory
 that reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
