@@ -37,16 +37,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.build_demo_model import (
-    BOS,
-    EOS,
-    IM_END,
-    PAD,
-    _write_json,
-    build_checkpoint,
-    holds_model,
-    write_tokenizer,
-)
+from serve.build_demo_model import write_tokenizer
+from vllm_msa.checkpoint import BOS, EOS, IM_END, PAD, build_checkpoint, holds_model, write_json
 
 log = logging.getLogger(__name__)
 
@@ -260,8 +252,8 @@ def build_m3_model(out_dir, *, seed: int = 0, **text_overrides) -> Path:
 
     def write_files(tmp: Path) -> None:
         write_tokenizer(tmp, text)
-        _write_json(tmp / "config.json", config)
-        _write_json(
+        write_json(tmp / "config.json", config)
+        write_json(
             tmp / "generation_config.json", {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         )
         tensors = checkpoint_tensors(text, seed)
@@ -299,6 +291,6 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.config_only:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(args.out_dir / "config.json", make_config(**PRESETS[args.preset]))
+        write_json(args.out_dir / "config.json", make_config(**PRESETS[args.preset]))
     else:
         build_m3_model(args.out_dir, seed=args.seed, **PRESETS[args.preset])

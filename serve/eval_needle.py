@@ -53,9 +53,9 @@ from serve.bench_e2e import (
     stop_server,
     wait_until_healthy,
 )
-from serve.build_demo_model import EOS
 from serve.health import DIRECT
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
+from vllm_msa.checkpoint import EOS
 
 MAX_TOKENS = 8  # " NNNNN." is 3-4 tokens, then EOS
 START_TIMEOUT_S = 1200

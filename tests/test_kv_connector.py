@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from serve.build_demo_model import EOS
 from tests.serving import demo_server
 from training.needle_task import PassKeyTask, answer_is_correct, load_tokenizer
+from vllm_msa.checkpoint import EOS
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "models" / "needle-msa"

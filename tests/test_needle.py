@@ -26,7 +26,6 @@ from safetensors.torch import load_file, save_file
 from bench.problems import load_trained_selections, mean_union
 from msa_kernels.shapes import M3_SHAPE
 from serve import eval_needle
-from serve.build_demo_model import EOS
 from tests.reference_model import ReferenceFlashMSA
 from tests.serving import free_port
 from training import trained_selections
@@ -40,6 +39,7 @@ from training.msa_model import (
 )
 from training.needle_task import ANSWER, QUESTION, PassKeyTask, answer_is_correct, load_tokenizer
 from training.train_needle import BUDGET_STOPPED, NEEDLE_CONFIG, PRESETS
+from vllm_msa.checkpoint import EOS
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "models" / "needle-msa"

@@ -288,7 +288,8 @@ def test_m3_attention_demo_preset_has_minimax_m3_layer_shapes():
     from types import SimpleNamespace
 
     from msa_kernels.shapes import M3_SHAPE
-    from serve.build_demo_model import PRESETS, make_config
+    from serve.build_demo_model import PRESETS
+    from vllm_msa.checkpoint import make_config
 
     hf = SimpleNamespace(**make_config(**PRESETS["m3-attention"]))
     shape = MSAModelConfig.from_hf_config(hf).layer_shape(hf)

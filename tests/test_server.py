@@ -20,9 +20,9 @@ import pytest
 import requests
 
 from loadtests.run_load import run as run_load_test
-from serve.build_demo_model import DEFAULT_CONFIG
 from serve.health import healthy
 from tests.serving import demo_server
+from vllm_msa.checkpoint import DEFAULT_CONFIG
 from vllm_msa.metrics import SAMPLE_EVERY
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.build_demo_model import DEFAULT_CONFIG
+from vllm_msa.checkpoint import DEFAULT_CONFIG
 
 pytestmark = pytest.mark.slow
 

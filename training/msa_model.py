@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from msa_kernels.reference import topk_blocks
 from msa_kernels.shapes import MSAShape
-from serve.build_demo_model import build_checkpoint, write_config
+from vllm_msa.checkpoint import build_checkpoint, write_config
 
 TILE_ELEMENTS = 1 << 28
 ATTENTION_MODES = ("dense", "msa")

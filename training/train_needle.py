@@ -60,9 +60,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from serve.build_demo_model import EOS, make_config
 from training.msa_model import FlashMSAForCausalLM, export_checkpoint
 from training.needle_task import PassKeyTask, load_tokenizer, random_key
+from vllm_msa.checkpoint import EOS, make_config
 
 NEEDLE_CONFIG = make_config(max_position_embeddings=65536)  # rope_theta 10000 as trained; 16K contexts trained
 LM_WEIGHT = 0.2  # weight of the filler's next-token loss beside the answer's

@@ -31,9 +31,9 @@ import torch
 
 from bench.problems import mean_union
 from msa_kernels.reference import topk_blocks
-from serve.build_demo_model import EOS
 from training.msa_model import apply_rope, block_scores, load_checkpoint, rope_tables
 from training.needle_task import PassKeyTask, load_tokenizer, random_key
+from vllm_msa.checkpoint import EOS
 
 TILE_TOKENS = 4  # tokens per tile of the prefill attention kernel at M3's shape (64 rows / 16 heads per index head)
 

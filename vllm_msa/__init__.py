@@ -14,6 +14,7 @@ the supported versions it stops there, naming them (compat.check_vllm_version).
     metrics         Prometheus metrics of the sparse layers, worker -> API server /metrics
     selection_log   debug option: log the selected blocks of a marked request
     sizing          `python -m vllm_msa.sizing`: context that fits per GPU for a checkpoint and parallel layout
+    checkpoint      the format of the checkpoints this project builds: config.json, tensor names, special tokens
     models/         FlashMSAForCausalLM; MiniMax-M3 with its sparse layers on FLASH_MSA
 """
 
