@@ -1,7 +1,7 @@
 """Run the vllm-msa locust load test headless against a local vLLM server, and give its verdict.
 
 This module owns the run: it refuses hosts that are not loopback, waits for GET /health
-(`serve/health.py`), runs `locustfile.py` in a `python -m locust --headless` subprocess (streaming its
+(`serve/local_server.py`), runs `locustfile.py` in a `python -m locust --headless` subprocess (streaming its
 output, killed at a deadline), samples the server's memory if asked (`memory.py`), and reads locust's CSV
 statistics into the summary and its table (`report.py`).
 
@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
 from loadtests.memory import RssSampler
 from loadtests.report import format_summary, parse_locust_csv, summarize
-from serve.health import NotHealthyError, wait_healthy
+from serve.local_server import NotHealthyError, wait_healthy
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -104,7 +104,7 @@ def run(
     server_pid: sample the RSS of that process and its children during the run; the run fails if it
     grows by more than max_rss_growth_mib from the end of the warm-up (a quarter of the run, at most
     15 s) to the end.
-    Raises NonLoopbackHostError or serve.health.NotHealthyError before starting locust.
+    Raises NonLoopbackHostError or serve.local_server.NotHealthyError before starting locust.
     `summary["ok"]` is the pass/fail verdict; `summary["problems"]` says why.
     """
     host = check_loopback(host)

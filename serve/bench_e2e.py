@@ -87,14 +87,11 @@ Speculative decoding on one H200 (FLASH_MSA with and without n-gram speculation,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
-import os
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -102,7 +99,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
-from serve.health import NotHealthyError, healthy, wait_healthy
+from serve import local_server
+from serve.local_server import NotHealthyError, healthy, wait_healthy
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
 METRICS = (
@@ -224,8 +222,7 @@ def start_server(server: Server, memory_share: float, common: list[str], opts) -
         *common,
     ]
     print(f"[{server.name}] starting on port {server.port}: {shlex.join(cmd)}", flush=True)
-    with open(server.log, "w") as log_file:  # the child keeps its own descriptor
-        server.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    server.proc = local_server.start(cmd, server.log)
     server.started = time.monotonic()
 
 
@@ -242,16 +239,8 @@ def wait_until_healthy(servers: list[Server], timeout_s: float) -> None:
 
 
 def stop_server(server: Server) -> None:
-    """Terminate the API server (it stops its engine processes), then kill what is left of its session."""
-    if server.proc is None:
-        return
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.proc.wait(timeout=60)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.proc.pid, signal.SIGKILL)
-    server.proc.wait()
+    if server.proc is not None:
+        local_server.stop(server.proc)
 
 
 # ------------------------------------------------------------------------------------------ benchmark

@@ -53,7 +53,7 @@ from serve.bench_e2e import (
     stop_server,
     wait_until_healthy,
 )
-from serve.health import DIRECT
+from serve.local_server import DIRECT
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
 from vllm_msa.checkpoint import EOS
 

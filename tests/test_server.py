@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from loadtests.run_load import run as run_load_test
-from serve.health import healthy
+from serve.local_server import healthy
 from tests.serving import demo_server
 from vllm_msa.checkpoint import DEFAULT_CONFIG
 from vllm_msa.metrics import SAMPLE_EVERY

@@ -2,7 +2,7 @@
 # Wait until the server that dev/gpu/start_server.sh started on PORT (default 8000) answers /health;
 # print the startup facts from its log (backend, kernels, CUDA graphs, KV cache). Exit 1 with the log
 # tail if it died or was not healthy within TIMEOUT seconds (default 400). The one shell health-wait
-# (serve_smoke.sh waits through it; Python code waits through serve/health.py).
+# (serve_smoke.sh waits through it; Python code waits through serve/local_server.py).
 set -uo pipefail
 port=${PORT:-8000}; log=/tmp/gpu-server/serve-$port.log; pid=$(cat "/tmp/gpu-server/serve-$port.pid")
 start=$SECONDS

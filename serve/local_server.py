@@ -1,18 +1,24 @@
-"""Whether a local vLLM server answers: one GET /health, and the wait until it answers 200.
+"""Local vLLM servers: start one in its own process session with its log, wait until GET /health answers 200,
+stop it with every process it started.
 
-The one Python health-wait of the project: the tests' demo server (`tests/serving.py`), the end-to-end
-benchmark's servers (`serve/bench_e2e.py`) and the load test (`loadtests/run_load.py`) wait through it;
-the GPU tooling's shell scripts wait through `dev/gpu/wait_server.sh`. Requests go straight to the
-server, never through an HTTP proxy named in the environment: every server here listens on loopback.
-Standard library only, so the load test runs it without vLLM installed.
+The one Python helper for servers of the project: the tests' demo server (`tests/serving.py`) and the
+end-to-end benchmark's servers (`serve/bench_e2e.py`, also serve/eval_needle.py's) start and stop through it,
+the load test (`loadtests/run_load.py`) waits through it; the GPU tooling's shell scripts start and wait
+through `dev/gpu/start_server.sh` and `wait_server.sh`. Requests go straight to the server, never through an
+HTTP proxy named in the environment: every server here listens on loopback. Standard library only, so the load
+test runs it without vLLM installed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback servers: never through a proxy
 
@@ -58,3 +64,28 @@ def wait_healthy(
             raise NotHealthyError(f"server not healthy after {timeout_s:.0f} s (last answer: {status})")
         time.sleep(min(interval_s, timeout_s - waited))
     return time.monotonic() - started
+
+
+def start(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
+    """Start a server command (`vllm serve ...`, `bash serve/demo.sh ...`) in its own process session, its output
+    in log_path; stop() stops it with its engine and worker processes."""
+    with open(log_path, "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=None if env is None else os.environ | env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Terminate the API server (it stops its engine processes), then kill what is left of its session."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
