@@ -99,10 +99,10 @@ def evaluate_server(server: Server, task: PassKeyTask, opts) -> dict[str, dict[s
     accuracy: dict[str, dict[str, dict[str, float]]] = {endpoint: {} for endpoint in opts.endpoints}
     with ThreadPoolExecutor(opts.concurrency) as pool:
         for context in opts.contexts:
+            prompts_by_depth = {depth: cell_prompts(task, context, depth, opts.samples) for depth in opts.depths}
             for endpoint in opts.endpoints:
                 started, row = time.monotonic(), {}
-                for depth in opts.depths:
-                    prompts = cell_prompts(task, context, depth, opts.samples)
+                for depth, prompts in prompts_by_depth.items():
                     answers = list(pool.map(partial(ask, server.url, endpoint, tokenizer=task.tokenizer), prompts))
                     right = [is_right(endpoint, a, p.key) for a, p in zip(answers, prompts)]
                     row[f"{depth:g}"] = sum(right) / len(prompts)

@@ -365,6 +365,8 @@ def scaled_kv_model(model_dir, out_dir, with_scales: bool):
     compressed-tensors kv_cache_scheme (FP8 K/V scales only, no weight quantisation)."""
     from safetensors.torch import load_file, save_file
 
+    from vllm_msa.checkpoint import write_json
+
     out_dir.mkdir()
     for path in model_dir.iterdir():
         if path.name not in ("config.json", "model.safetensors"):
@@ -388,7 +390,7 @@ def scaled_kv_model(model_dir, out_dir, with_scales: bool):
             | {"symmetric": True},
         }
     save_file(weights, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(json.dumps(config))
+    write_json(out_dir / "config.json", config)
     return out_dir
 
 

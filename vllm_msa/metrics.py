@@ -56,6 +56,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from vllm.logger import init_logger
 
+from msa_kernels.fp8_index_keys import E4M3_MAX
+
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at start-up about VLLM_* names it does not know
@@ -72,7 +74,6 @@ COUNTERS = {
     "the layer's scale), stored as +-448 x scale (steps of decodes only are not counted).",
 }
 SELECTION_COUNTERS = 5  # the first COUNTERS, which record() adds; kv_saturated: count_saturated()
-FP8_KV_MAX = 448.0  # the largest e4m3 value: an FP8 K/V cache stores value / scale saturated there
 TIMING = {
     "timed_layer_calls": "FLASH_MSA layer calls timed (one in SAMPLE_EVERY eager calls).",
     "selection_seconds": "Index scores + top-k time of the timed calls; divided by it plus "
@@ -170,9 +171,10 @@ class StepStats:
         totals[counters + 1 :].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
 
     def count_saturated(self, key: torch.Tensor, value: torch.Tensor, kv_scales: tuple[float, float]) -> None:
-        """Add the values of key/value that an FP8 K/V cache with scales (k_scale, v_scale) stores saturated."""
+        """Add the values of key/value that an FP8 K/V cache with scales (k_scale, v_scale) stores saturated (at
+        +-E4M3_MAX x scale, as reference.write_paged and vLLM's cache op write them)."""
         k_scale, v_scale = kv_scales
-        saturated = (key.abs() > FP8_KV_MAX * k_scale).sum() + (value.abs() > FP8_KV_MAX * v_scale).sum()
+        saturated = (key.abs() > E4M3_MAX * k_scale).sum() + (value.abs() > E4M3_MAX * v_scale).sum()
         self.totals[COUNTERS_INDEX["kv_saturated"]] += saturated
 
     def publish(self) -> None:
