@@ -2,13 +2,14 @@
 
 Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA (one warpgroup) owns
 G = 64 / m consecutive query tokens of one request and one index head, its 64 MMA rows those tokens x the
-m = Hq / Hi query heads of that index head (G = 4 for MiniMax-M3). The tokens select their blocks independently, so the CTA reads the union of their selections once, in block order,
-and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
-the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
-up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
-MMA rows, and still in less time than they take (results/README.md, the prefill attention sweep of
-2026-12-05), so prefill_sparse_attention gives this kernel every tile. That sweep's losers (two warpgroups a CTA, a ring
-of more K/V pages, a union bound past which tiles went to the per-token kernel) are gone.
+m = Hq / Hi query heads of that index head (G = 4 for MiniMax-M3). The tokens select their blocks
+independently, so the CTA reads the union of their selections once, in block order, and a row ignores the
+blocks its token did not select (score -inf). Where neighbouring tokens pick the same blocks (the local block
+always; in trained models often most of them) one K/V tile feeds up to G tokens; where they share nothing the
+CTA reads what G per-token CTAs would, with 4x the MMA rows, and still in less time than they take
+(results/README.md, the prefill attention sweep of 2026-12-05), so prefill_sparse_attention gives this kernel
+every tile. That sweep's losers (two warpgroups a CTA, a ring of more K/V pages, a union bound past which tiles
+went to the per-token kernel) are gone.
 
 Per union block: TMA loads the page's K and V tiles (128 keys x D) into the CTA's one K/V page (so two CTAs
 share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
