@@ -43,6 +43,7 @@ import torch
 
 from bench.problems import M3_SHAPE, SCALE, paged_problem
 from msa_kernels import ops
+from msa_kernels.plan import StepPlan
 from msa_kernels.stand_ins import no_op, stand_in_kernels
 
 REPO = str(Path(__file__).resolve().parents[1]) + "/"
@@ -58,11 +59,12 @@ def layer_call(requests: list[tuple[int, int]], device: str = "cuda"):
     """A no-argument eager layer call on one problem of these requests, as vllm_msa/backend.py makes it: the
     selection into the step's (ops.layer_selection), then the attention into the layer's output."""
     batch, q, index_q, kv, index_keys, _ = paged_problem(requests, device=device)
+    plan = StepPlan.of(batch)  # as vLLM's builder plans the step once for all its layers
     out = torch.empty_like(q)
 
     def call():
-        selected = ops.select_blocks(index_q, index_keys, batch, M3_SHAPE, out=ops.layer_selection(batch, M3_SHAPE))
-        ops.sparse_attention(q, kv, batch, selected, M3_SHAPE, SCALE, out=out)
+        selected = ops.select_blocks(index_q, index_keys, plan, M3_SHAPE, out=ops.layer_selection(plan, M3_SHAPE))
+        ops.sparse_attention(q, kv, plan, selected, M3_SHAPE, SCALE, out=out)
 
     return call
 

@@ -19,6 +19,7 @@ from bench.timing import ceilings, graph_timed, timed
 from msa_kernels import ops, reference
 from msa_kernels.cute import index_scores, index_scores_fp8
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.plan import StepPlan
 
 
 def main():
@@ -34,12 +35,13 @@ def main():
     for context in CONTEXTS:
         for batch in DECODE_BATCHES:
             pb, attn_q, q, kv, index_keys, _ = paged_problem([(context, 1)] * batch)
+            plan = StepPlan.of(pb)
             fp8_keys = Fp8IndexKeyCache.quantize(index_keys)
             t_cute = timed(lambda: index_scores.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=20)
             t_fp8 = timed(lambda: index_scores_fp8.fp8_index_block_scores(q, fp8_keys, pb, M3_SHAPE), iters=20)
             t_ref = timed(lambda: reference.index_block_scores(q, index_keys, pb, M3_SHAPE), iters=3)
             layer = [
-                graph_timed(lambda: ops.msa_attention(attn_q, q, kv, keys, pb, M3_SHAPE, SCALE))
+                graph_timed(lambda: ops.msa_attention(attn_q, q, kv, keys, plan, M3_SHAPE, SCALE))
                 for keys in (index_keys, fp8_keys)
             ]
             nbytes = batch * context * dp * 2

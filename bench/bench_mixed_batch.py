@@ -4,8 +4,8 @@
 
 Each case is one vLLM step: N decode requests (one new token each) and one request prefilling a chunk,
 decode requests first as vLLM's scheduler orders them. Columns: the layer (index scores, top-k, sparse
-attention) on the mixed step, as FLASH_MSA runs it: msa_kernels.ops.msa_attention splits the step's batch
-once into its decode and prefill parts (PagedBatch.split, kept on the batch, so the timed calls reuse
+attention) on the mixed step, as FLASH_MSA runs it: msa_kernels.ops.msa_attention on the step's plan, its batch
+split once into its decode and prefill parts (msa_kernels.plan.StepPlan, made once, so the timed calls reuse
 it as a step's layers do) and runs each part's kernels into its rows of one output; the same layer on
 the decode requests alone and on the prefill chunk alone; mixed / (decode alone + prefill alone): 1.0
 means mixing costs nothing. Eager times (a step with a prefill chunk runs its layers outside CUDA
@@ -19,6 +19,7 @@ import torch
 from bench.problems import M3_SHAPE, SCALE, paged_problem
 from bench.timing import timed
 from msa_kernels import ops
+from msa_kernels.plan import StepPlan
 
 CASES = (  # (decode requests, their context, prefill chunk tokens, the chunk request's context)
     (32, 8192, 512, 8192),
@@ -29,7 +30,8 @@ CASES = (  # (decode requests, their context, prefill chunk tokens, the chunk re
 
 def layer_time(requests) -> float:
     batch, q, index_q, kv, index_cache, _ = paged_problem(requests)
-    return timed(lambda: ops.msa_attention(q, index_q, kv, index_cache, batch, M3_SHAPE, SCALE), iters=5)
+    plan = StepPlan.of(batch)  # as vLLM's builder plans a step once for all its layers
+    return timed(lambda: ops.msa_attention(q, index_q, kv, index_cache, plan, M3_SHAPE, SCALE), iters=5)
 
 
 def main():

@@ -26,6 +26,7 @@ from msa_kernels import ops
 from msa_kernels.cute import index_scores_prefill
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows
+from msa_kernels.plan import StepPlan
 
 
 def kernel_time(source, params, operands: tuple, batch) -> float:
@@ -92,7 +93,8 @@ def main():
         ]
         cells.append(f"{calls[0] * 1e3:.2f} | {calls[1] * 1e3:.2f} | {calls[1] / calls[0]:.2f}")
         for keys in (index_keys, fp8_keys):
-            layer = timed(lambda: ops.msa_attention(q, index_q, kv, keys, batch, M3_SHAPE, SCALE), iters=3)
+            plan = StepPlan.of(batch)
+            layer = timed(lambda: ops.msa_attention(q, index_q, kv, keys, plan, M3_SHAPE, SCALE), iters=3)
             cells.append(f"{layer * 1e3:.2f}")
         print(f"| {n} | {new} | " + " | ".join(cells) + " |", flush=True)
 

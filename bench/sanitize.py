@@ -65,10 +65,10 @@ def main() -> None:
             )
             for kv_name, (_, kv_reference, scales) in caches.items()
         }
-        attend = (case.q, fp8, case.batch, want_sel, shape, case.scale)
+        attend = (case.q, fp8, case.plan, want_sel, shape, case.scale)
         _check(f"{name}, FP8 K/V", ops.sparse_attention(*attend, kv_scales=kv_scales), want["FP8"])
         fp8_keys = Fp8IndexKeyCache.quantize(case.index_key_cache)  # NaN stays in the slots no request owns
-        got = ops.index_block_scores(case.index_q, fp8_keys, case.batch, shape)
+        got = ops.index_block_scores(case.index_q, fp8_keys, case.plan, shape)
         want = reference.index_block_scores(case.index_q.float(), fp8_keys, case.batch, shape)
         finite = torch.isfinite(want)
         error = ((got[finite] - want[finite]).abs().max() / want[finite].abs().max()).item()

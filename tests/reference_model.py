@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.ops import msa_attention
+from msa_kernels.plan import StepPlan
 from msa_kernels.reference import FP8_KV_STORAGE, fp8_kv_cache
 from msa_kernels.shapes import PagedBatch
 from vllm_msa.config import MSAModelConfig, index_key_dtype
@@ -91,7 +92,7 @@ class ReferenceFlashMSA:
             seq_lens=torch.tensor([n]),
             block_table=torch.arange(num_pages)[None, :],
         )
-        out, _ = msa_attention(q, iq, kv_cache, index_keys, batch, shape, s.head_dim**-0.5)
+        out, _ = msa_attention(q, iq, kv_cache, index_keys, StepPlan.of(batch), shape, s.head_dim**-0.5)
         return out.reshape(n, -1) @ w[p + "o_proj.weight"].T
 
     @torch.no_grad()

@@ -265,7 +265,7 @@ def test_a_layer_call_passes_each_kernel_what_its_signature_takes(batch_name, in
     row_bytes = M3_SHAPE.num_index_heads * case.batch.block_table.shape[1] * 4
     monkeypatch.setattr(ops, "SCORE_BYTES", 200 * row_bytes)  # a 370-token prefill part scores in two runs
     out = torch.empty_like(case.q)
-    ops.msa_attention(case.q, case.index_q, case.kv_cache, index_key_cache, case.batch, M3_SHAPE, case.scale, out=out)
+    ops.msa_attention(case.q, case.index_q, case.kv_cache, index_key_cache, case.plan, M3_SHAPE, case.scale, out=out)
     index_kernel = {"bf16": "IndexScoreKernel", "fp8": "Fp8IndexScoreKernel"}[index_keys]
     want = {
         "decode": {index_kernel, "TopkBlocksKernel", "SparseAttentionKernel", "CombineKernel"},
@@ -286,7 +286,7 @@ def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launch
     case = launch_case(batch_name)
     fp8 = reference.fp8_kv_cache(case.kv_cache, (0.5, 2.0))
     selected = case.reference_selection()
-    ops.sparse_attention(case.q, fp8, case.batch, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q))
+    ops.sparse_attention(case.q, fp8, case.plan, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q))
     attention = [launch.params for launch in launches.launches if launch.kernel == "SparseAttentionKernel"]
     assert attention and all(params.fp8_kv for params in attention)
 
@@ -326,7 +326,7 @@ def test_fp8_index_key_writes_take_what_they_are_passed(launches):
     case = launch_case("prefill")
     fp8 = fp8_pages(case.index_key_cache)
     slots = torch.arange(case.index_q.shape[0], dtype=torch.int32)  # vLLM's slot mapping is int64; the launcher widens
-    ops.write_index_keys(fp8, slots, case.index_q[:, :1])
+    ops.write_index_keys(fp8, slots, case.index_q[:, :1], M3_SHAPE)
     assert launches.kernels() == ["Fp8IndexKeyWriteKernel"]
 
 
@@ -698,10 +698,9 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     shape, case = attention_case(case_name, hq, hkv, hi, d)
     kv_scales = (0.37, 1.9)
     fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
-    assert ops._fp8_kv_attention(case.q.device, case.q.dtype, shape) is sparse_attn.sparse_attention
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
-    got = ops.sparse_attention(case.q, fp8, case.batch, selected, shape, case.scale, out=out, kv_scales=kv_scales)
+    got = ops.sparse_attention(case.q, fp8, case.plan, selected, shape, case.scale, out=out, kv_scales=kv_scales)
     want = reference.sparse_attention(
         case.q.double(), fp8, case.batch, selected, shape, case.scale, kv_scales=kv_scales
     )
@@ -739,6 +738,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     fp8: FP8 index-key pages, and the graph also writes the step's index keys (ops.write_index_keys, as
     the backend does; padding slots -1) into slots poisoned before the replay."""
     from msa_kernels import ops
+    from msa_kernels.plan import StepPlan
     from msa_kernels.shapes import PagedBatch
 
     shape = M3_SHAPE
@@ -760,12 +760,12 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     out = torch.empty_like(q)
 
     def layer():
-        batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)  # fresh: computed in the graph
-        batch.query_start_loc_cpu = starts  # the host's view, as vLLM's builder sets it
-        batch.split(max_decode_query_len=query_len)  # every request a decode, as the builder splits it
+        # fresh: computed in the graph; the host's view of query_start_loc, as vLLM's builder gives it
+        batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table, query_start_loc_cpu=starts)
+        plan = StepPlan.of(batch, max_decode_query_len=query_len)  # every request a decode, as the builder plans it
         if fp8:
-            ops.write_index_keys(index_key_cache, slot_mapping, step_keys)
-        return ops.msa_attention(q, index_q, case.kv_cache, index_key_cache, batch, shape, case.scale, out=out)[1]
+            ops.write_index_keys(index_key_cache, slot_mapping, step_keys, shape)
+        return ops.msa_attention(q, index_q, case.kv_cache, index_key_cache, plan, shape, case.scale, out=out)[1]
 
     layer()  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -16,6 +16,7 @@ import torch
 
 from msa_kernels import reference
 from msa_kernels.fp8_index_keys import E4M3_MAX
+from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch
 from msa_kernels.testing import PagedCase, make_case
 from vllm_msa.backend import FlashMSAImpl, FlashMSAMetadata, dense_flash_attn_version, write_paged
@@ -31,7 +32,7 @@ BATCHES = {
 
 def _metadata(batch: PagedBatch, num_splits: int = 0) -> FlashMSAMetadata:
     return FlashMSAMetadata(
-        batch=batch,
+        plan=StepPlan.of(batch),
         slot_mapping=torch.empty(0),
         num_actual_tokens=batch.num_tokens,
         max_query_len=max(batch.query_lens_cpu),
@@ -181,7 +182,7 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches(fp8_kv
     out = torch.empty_like(q)
     batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table)
     metadata = FlashMSAMetadata(
-        batch=batch,
+        plan=StepPlan.of(batch),
         slot_mapping=torch.empty(0),
         num_actual_tokens=padded,
         max_query_len=1,

@@ -84,11 +84,11 @@ def test_reference_with_fp8_index_keys_matches_the_spec_on_dequantized_keys_and_
     shape = _shape()
     case = make_case(shape, q_lens, seq_lens, seed=len(q_lens) + sum(seq_lens))  # NaN-poisoned unused slots
     fp8_cache = Fp8IndexKeyCache.quantize(case.index_key_cache)
-    got, selected = msa_attention(case.q, case.index_q, case.kv_cache, fp8_cache, case.batch, shape, case.scale)
+    got, selected = msa_attention(case.q, case.index_q, case.kv_cache, fp8_cache, case.plan, shape, case.scale)
     # The scores: those of the float32 path (test_reference.py) on the FP8-rounded queries and dequantised keys.
     dequantized = dequantize_rows(fp8_cache.values, fp8_cache.scales)
     want_scores = reference.index_block_scores(round_trip(case.index_q), dequantized, case.batch, shape)
-    assert torch.equal(ops.index_block_scores(case.index_q, fp8_cache, case.batch, shape), want_scores)
+    assert torch.equal(ops.index_block_scores(case.index_q, fp8_cache, case.plan, shape), want_scores)
     rounded_q = round_trip(case.index_q).double()
     for r in range(case.batch.num_requests):
         keys, values, index_keys, tokens = case.request_tokens(r)
@@ -157,13 +157,12 @@ def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_w
     assert PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 128, 128)  # its e4m3 variant
     assert not PrefillIndexScoreKernel.can_implement(torch.bfloat16, fp8, 512, 128)  # Dp over 256
     with caplog.at_level(logging.WARNING, logger="vllm.msa.kernels"):
-        decode = ops._steps(probe.device, probe.dtype, fp8, shape, "decode")
-        assert decode.index_scores is index_scores_fp8.fp8_index_block_scores
-        prefill = ops._steps(probe.device, probe.dtype, fp8, shape, "prefill")
-        assert prefill.index_scores is index_scores_prefill.prefill_index_block_scores
+        chosen = ops.kernels(probe.device, probe.dtype, fp8, False, shape)
+        assert chosen.decode.index_scores is index_scores_fp8.fp8_index_block_scores
+        assert chosen.prefill.index_scores is index_scores_prefill.prefill_index_block_scores
         assert ops.uses_cute_index_scores(probe, shape, "decode", index_key_dtype=fp8)
         assert ops.uses_cute_index_scores(probe, shape, "prefill", index_key_dtype=fp8)
-        assert ops._index_key_writer(probe.device, probe.dtype, 2, 128) is fp8_index_key_write.write_index_keys
+        assert chosen.write_fp8_index_keys is fp8_index_key_write.write_index_keys
         assert ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8) == (
             "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, FP8 index-key writes: CuTeDSL"
@@ -173,19 +172,20 @@ def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_w
         # decode step gets no full graph.
         wide = _shape(head_dim=64, index_head_dim=512, block_size=128)
         for phase in ("decode", "prefill"):
-            steps = ops._steps(probe.device, probe.dtype, fp8, wide, phase)
+            steps = ops.kernels(probe.device, probe.dtype, fp8, False, wide).steps(phase)
             assert steps.index_scores is index_scores_fp8.fp8_index_block_scores
         assert not caplog.records
         # Dp 16: neither kernel scores it: the reference, one warning however often asked
         narrow = _shape(head_dim=64, index_head_dim=16, block_size=128)
-        for phase in ("decode", "prefill", "decode"):
+        for fp8_kv in (False, True, False):  # the chooser asked again: one warning
+            chosen_narrow = ops.kernels(probe.device, probe.dtype, fp8, fp8_kv, narrow)
             assert (
-                ops._steps(probe.device, probe.dtype, fp8, narrow, phase).index_scores is reference.index_block_scores
+                chosen_narrow.decode.index_scores is chosen_narrow.prefill.index_scores is reference.index_block_scores
             )
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "index scores run the PyTorch path" in warnings[0], warnings
     assert ops.uses_cute_index_scores(probe, wide, "decode", index_key_dtype=fp8)
-    assert ops._index_key_writer(probe.device, probe.dtype, 2, 512) is reference.write_index_keys
+    assert ops.kernels(probe.device, probe.dtype, fp8, False, wide).write_fp8_index_keys is reference.write_index_keys
     assert not ops.graph_capturable(probe.device, probe.dtype, wide, index_key_dtype=fp8)
     assert ops.describe(probe.device, probe.dtype, wide, index_key_dtype=fp8).endswith("FP8 index-key writes: PyTorch")
     # bf16 index keys: both phases' kernels, vLLM's cache op writes, no FP8 write named
@@ -199,7 +199,7 @@ def test_ops_writes_fp8_index_keys_off_hopper_through_the_reference():
     keys = torch.randn(5, shape.num_index_key_heads, shape.index_head_dim)
     slots = torch.tensor([17, -1, 3, 39])  # 4 slots for 5 rows: the last row is not written
     cache, want = (Fp8IndexKeyCache.quantize(case.index_key_cache) for _ in range(2))
-    ops.write_index_keys(cache, slots, keys)
+    ops.write_index_keys(cache, slots, keys, shape)
     reference.write_index_keys(want, slots, keys)
     assert torch.equal(cache.values.view(torch.uint8), want.values.view(torch.uint8))
     assert torch.equal(cache.scales.nan_to_num(-1), want.scales.nan_to_num(-1))

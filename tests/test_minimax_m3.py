@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from msa_kernels import ops, reference
+from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch
 from serve.build_m3_model import PRESETS, build_m3_model, make_config
 from vllm_msa.config import (
@@ -320,7 +321,9 @@ def test_topk_blocks_equal_vllms_m3_indexer(case, monkeypatch):
     )
     for what, q_lens in (("prefill", query_lens), ("decode", [1] * len(seq_lens))):
         index_q, cache, batch = paged_index_inputs(seq_lens, q_lens, heads, dim, device, seed=len(what))
-        scores = ops.index_block_scores(index_q, cache.unsqueeze(2), batch, shape)  # FLASH_MSA's index pass
+        scores = ops.index_block_scores(
+            index_q, cache.unsqueeze(2), StepPlan.of(batch), shape
+        )  # FLASH_MSA's index pass
         ours = reference.topk_blocks(scores, batch.positions, shape)
         seq = batch.seq_lens
         if not CUDA:  # Triton 3.6's interpreter misreads bf16; the same (bf16-valued) inputs in float32

@@ -359,10 +359,10 @@ def test_builder_counts_speculative_verification_requests_as_decodes(
             slot_mapping=torch.arange(sum(q_lens)),
         ),
     )
-    decode, prefill = metadata.batch.split()
+    decode, prefill = metadata.plan.part("decode"), metadata.plan.part("prefill")
     assert builder.reorder_batch_threshold == threshold
-    assert (decode.query_lens_cpu if decode else []) == decode_lens
-    assert prefill.query_lens_cpu == q_lens[len(decode_lens) :]
+    assert (decode.batch.query_lens_cpu if decode else []) == decode_lens
+    assert prefill is not None and prefill.batch.query_lens_cpu == q_lens[len(decode_lens) :]
 
 
 def test_tensor_parallel_ranks_hold_the_heads_their_query_heads_need():

@@ -8,6 +8,7 @@ import torch
 
 from msa_kernels import ops
 from msa_kernels.ops import msa_attention
+from msa_kernels.plan import StepPlan
 from msa_kernels.reference import (
     FP8_KV_STORAGE,
     fp8_kv_cache,
@@ -47,7 +48,7 @@ def test_reference_matches_token_by_token_spec(shape_name, batch_name):
     case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=seed)
     out = torch.full_like(case.q, float("nan"))
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale, out=out
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.plan, shape, case.scale, out=out
     )
     assert got.data_ptr() == out.data_ptr()
     for r in range(case.batch.num_requests):
@@ -70,7 +71,7 @@ def test_topk_covering_all_blocks_is_dense_attention(block_size):
     shape = small_shape(block_size=block_size, topk_blocks=-(-max(seq_lens) // block_size), num_index_heads=4)
     case = make_case(shape, q_lens, seq_lens, dtype=torch.float64, seed=block_size)
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.plan, shape, case.scale
     )
     for r in range(len(q_lens)):
         _, _, _, tokens = case.request_tokens(r)
@@ -86,7 +87,7 @@ def test_small_k_differs_from_dense_and_reads_only_selected_blocks():
     shape = small_shape(block_size=16, topk_blocks=2)
     case = make_case(shape, [1], [200], dtype=torch.float64, seed=3)
     got, selected = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
+        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.plan, shape, case.scale
     )
     assert (got - case.dense_causal(0)).abs().max() > 1e-3
     # Poison every page the selection did not pick: the output must not change.
@@ -121,12 +122,10 @@ def test_selection_is_sorted_and_forces_local_blocks():
 def test_float32_matches_float64_within_tolerance():
     shape = small_shape(block_size=128, topk_blocks=2, num_index_heads=4)
     case = make_case(shape, [1, 40], [700, 300], dtype=torch.float64, seed=11)
-    want, sel64 = msa_attention(
-        case.q, case.index_q, case.kv_cache, case.index_key_cache, case.batch, shape, case.scale
-    )
+    want, sel64 = msa_attention(case.q, case.index_q, case.kv_cache, case.index_key_cache, case.plan, shape, case.scale)
     as32 = {k: getattr(case, k).float() for k in ("q", "index_q", "kv_cache", "index_key_cache")}
     got, sel32 = msa_attention(
-        as32["q"], as32["index_q"], as32["kv_cache"], as32["index_key_cache"], case.batch, shape, case.scale
+        as32["q"], as32["index_q"], as32["kv_cache"], as32["index_key_cache"], case.plan, shape, case.scale
     )
     assert torch.equal(sel32, sel64)
     assert got.dtype == torch.float32
@@ -152,11 +151,12 @@ def test_fp8_kv_cache_is_written_as_e4m3_of_value_over_scale_and_attended_dequan
     kv_scales = (0.5, 2.0)
     fp8_cache = fp8_kv_cache(case.kv_cache, kv_scales)
     dequantised = fp8_cache.view(torch.float8_e4m3fn).float() * torch.tensor(kv_scales).view(1, 2, 1, 1, 1)
-    selected = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape)
+    selected = ops.select_blocks(case.index_q, case.index_key_cache, case.plan, shape)
     args = (case.batch, selected, shape, case.scale)
     got = sparse_attention(case.q, fp8_cache, *args, kv_scales=kv_scales)
     assert torch.equal(got, sparse_attention(case.q, dequantised, *args))
-    assert torch.equal(ops.sparse_attention(case.q, fp8_cache, *args, kv_scales=kv_scales), got)
+    planned = (case.plan, selected, shape, case.scale)
+    assert torch.equal(ops.sparse_attention(case.q, fp8_cache, *planned, kv_scales=kv_scales), got)
     full = sparse_attention(case.q, case.kv_cache, *args)
     assert torch.isfinite(got).all()
     assert torch.nn.functional.cosine_similarity(got.flatten(), full.flatten(), dim=0) > 0.999
@@ -190,28 +190,34 @@ def _two_phase_batch(device: str = "cpu") -> PagedBatch:
     )
 
 
-def test_scratch_is_one_tensor_per_name_and_size_that_every_layer_of_the_step_shares():
-    batch = _two_phase_batch()
-    decode, _ = batch.split()
-    partials = decode.scratch("split outputs", (4, 2, 8, 16), torch.float32)
+def test_workspace_is_one_tensor_per_use_and_size_that_every_layer_of_the_step_shares():
+    plan = StepPlan.of(_two_phase_batch())
+    decode, prefill = plan.parts
+    partials = decode.workspace.split_outputs((4, 2, 8, 16))
     assert partials.shape == (4, 2, 8, 16) and partials.dtype == torch.float32
-    assert batch.split()[0].scratch("split outputs", (4, 2, 8, 16), torch.float32) is partials  # the next layer's
-    assert decode.scratch("split outputs", (2, 2, 8, 16), torch.float32) is not partials  # another split count
-    assert decode.scratch("block scores", (4, 2, 8, 16), torch.float32) is not partials
-    assert batch.scratch("split outputs", (4, 2, 8, 16), torch.float32) is not partials  # another batch
+    assert decode.workspace.split_outputs((4, 2, 8, 16)) is partials  # the next layer's
+    assert decode.workspace.split_outputs((2, 2, 8, 16)) is not partials  # another split count
+    lse = decode.workspace.split_log_sum_exps((4, 2, 8))
+    assert lse.dtype == torch.float32 and lse.data_ptr() != partials.data_ptr()
+    assert prefill.workspace.split_outputs((4, 2, 8, 16)) is not partials  # another part
+    scores = decode.workspace.block_scores((2, 2, 3))
+    assert scores.dtype == torch.float32 and decode.workspace.block_scores((2, 2, 3)) is scores
+    selection = plan.workspace.selection((40, 2, 3))
+    assert selection.dtype == torch.int32 and plan.workspace.selection((40, 2, 3)) is selection
+    assert StepPlan.of(_two_phase_batch()).workspace.selection((40, 2, 3)) is not selection  # another step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_scratch_made_during_cuda_graph_capture_is_kept_apart_from_eager_scratch():
-    batch = _two_phase_batch("cuda")
-    eager = batch.scratch("block scores", (2, 4, 3), torch.float32)
+def test_workspace_made_during_cuda_graph_capture_is_kept_apart_from_eager_workspace():
+    workspace = StepPlan.of(_two_phase_batch("cuda")).parts[0].workspace
+    eager = workspace.block_scores((2, 4, 3))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = batch.scratch("block scores", (2, 4, 3), torch.float32)
-        assert batch.scratch("block scores", (2, 4, 3), torch.float32) is captured
+        captured = workspace.block_scores((2, 4, 3))
+        assert workspace.block_scores((2, 4, 3)) is captured
         captured.zero_()  # a kernel in the graph, as a layer's would be
     assert captured is not eager and captured.data_ptr() != eager.data_ptr()
-    assert batch.scratch("block scores", (2, 4, 3), torch.float32) is eager
+    assert workspace.block_scores((2, 4, 3)) is eager
 
 
 def test_request_tiles_cover_each_request_in_runs_of_consecutive_tokens():
@@ -243,8 +249,8 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
         query_start_loc=torch.tensor([0, 1, 2, 2, 2]),
         seq_lens=torch.tensor([300, 129, 0, 0]),
         block_table=torch.zeros(4, 3, dtype=torch.int32),
+        query_start_loc_cpu=[0, 1, 2, 3, 4],  # the graph's token count: 4, two of them padding
     )
-    batch.query_start_loc_cpu = [0, 1, 2, 3, 4]  # the graph's token count: 4, two of them padding
     assert batch.token_requests.tolist() == [0, 1, 3, 3]
     assert batch.positions.tolist() == [299, 128, -1, -1]
     selected = topk_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
@@ -296,13 +302,26 @@ def test_split_rebases_the_prefill_part_onto_views_of_the_batch(monkeypatch):
         [2, 46, 62],
         [2, 62, 63],
     ]
-    assert batch.split() == (decode, prefill) and batch.split()[1] is prefill  # once per batch: layers share it
     # vLLM's count of decodes, where it differs: the 0-token request then leads the prefill part
     decode, prefill = batch.split(num_decode_requests=2)
     assert decode.query_start_loc_cpu == [0, 1, 2] and prefill.query_start_loc.tolist() == [0, 0, 45, 46, 63]
-    assert batch.split()[1] is prefill  # the builder's split is the one every layer then runs
     with pytest.raises(ValueError, match="split takes a mixed batch"):
         prefill.split()
+
+
+def test_step_plan_splits_once_and_gives_each_part_its_rows_and_workspace():
+    batch = _mixed_batch()
+    plan = StepPlan.of(batch, num_decode_requests=2)  # as vLLM's builder plans a step
+    decode, prefill = plan.parts
+    assert (decode.phase, decode.rows, prefill.phase, prefill.rows) == ("decode", slice(0, 2), "prefill", slice(2, 65))
+    assert decode.batch.query_start_loc_cpu == [0, 1, 2] and prefill.batch.query_start_loc_cpu == [0, 0, 45, 46, 63]
+    assert plan.part("decode") is decode and plan.num_decode_tokens == 2
+    assert decode.workspace is not prefill.workspace and plan.workspace not in (decode.workspace, prefill.workspace)
+    rows = torch.arange(65)
+    assert torch.equal(torch.cat([decode.of(rows), prefill.of(rows)]), rows)
+    only_decodes = StepPlan.of(batch, num_decode_requests=6)  # a part without the other: all the rows, unsliced
+    assert [part.phase for part in only_decodes.parts] == ["decode"] and only_decodes.parts[0].rows is None
+    assert only_decodes.parts[0].of(rows) is rows and StepPlan.of(batch).num_decode_tokens == 2
 
 
 def test_split_counts_speculative_verification_requests_as_decodes():
@@ -354,18 +373,24 @@ def test_ops_on_a_mixed_batch_equals_its_decode_and_prefill_parts_run_separately
     case = make_case(shape, q_lens, seq_lens, dtype=dtype, seed=17)
     caches = (case.kv_cache, case.index_key_cache)
     out = torch.full_like(case.q, float("nan"))
-    got, selected = msa_attention(case.q, case.index_q, *caches, case.batch, shape, case.scale, out=out)
+    got, selected = msa_attention(case.q, case.index_q, *caches, case.plan, shape, case.scale, out=out)
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
-    scores = ops.index_block_scores(case.index_q, case.index_key_cache, case.batch, shape)
-    decode, prefill = case.batch.split()
-    parts = ((decode, slice(0, 2)), (prefill, slice(2, case.batch.num_tokens)))
-    for part, rows in parts:
-        part_out, part_selected = msa_attention(case.q[rows], case.index_q[rows], *caches, part, shape, case.scale)
-        assert torch.equal(got[rows], part_out) and torch.equal(selected[rows], part_selected)
-        assert torch.equal(scores[rows], ops.index_block_scores(case.index_q[rows], case.index_key_cache, part, shape))
+    scores = ops.index_block_scores(case.index_q, case.index_key_cache, case.plan, shape)
+    assert [(part.phase, part.rows) for part in case.plan.parts] == [
+        ("decode", slice(0, 2)),
+        ("prefill", slice(2, case.batch.num_tokens)),
+    ]
+    for part in case.plan.parts:
+        alone = StepPlan.of(part.batch)
+        part_out, part_selected = msa_attention(
+            part.of(case.q), part.of(case.index_q), *caches, alone, shape, case.scale
+        )
+        assert torch.equal(part.of(got), part_out) and torch.equal(part.of(selected), part_selected)
+        part_scores = ops.index_block_scores(part.of(case.index_q), case.index_key_cache, alone, shape)
+        assert torch.equal(part.of(scores), part_scores)
     # out=: the selection of a mixed batch written into rows of a larger tensor, nothing outside them
     step = torch.full((case.batch.num_tokens + 2, shape.num_index_heads, shape.topk_blocks), 7777, dtype=torch.int32)
-    into = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape, out=step[1:-1])
+    into = ops.select_blocks(case.index_q, case.index_key_cache, case.plan, shape, out=step[1:-1])
     assert into.data_ptr() == step[1:-1].data_ptr() and torch.equal(step[1:-1], selected)
     assert (step[[0, -1]] == 7777).all()
 
@@ -387,9 +412,9 @@ def test_select_blocks_scores_a_long_prefill_in_token_chunks_with_the_same_selec
     shape = small_shape(num_index_heads=4, topk_blocks=2)
     q_lens, seq_lens = [1, 1, 45, 17, 60], [37, 80, 45, 60, 200]  # two decodes, then chunked prefills
     case = make_case(shape, q_lens, seq_lens, seed=29)
-    whole = ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape)
+    whole = ops.select_blocks(case.index_q, case.index_key_cache, case.plan, shape)
     row_bytes = shape.num_index_heads * case.batch.block_table.shape[1] * 4
     monkeypatch.setattr(ops, "SCORE_BYTES", 10 * row_bytes)  # runs of 10 prefill tokens: requests cut mid-way
-    prefill = case.batch.split()[1]
+    prefill = case.plan.parts[1].batch
     assert len(ops._score_chunks(prefill, shape)) == -(-prefill.num_tokens // 10)
-    assert torch.equal(ops.select_blocks(case.index_q, case.index_key_cache, case.batch, shape), whole)
+    assert torch.equal(ops.select_blocks(case.index_q, case.index_key_cache, case.plan, shape), whole)

@@ -1,7 +1,8 @@
 """The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, the two impls.
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
-turns it into a PagedBatch (varlen queries, seq lens, block table) -> for every MSA layer,
+turns it into the step's plan (msa_kernels.plan.StepPlan: a PagedBatch of varlen queries, seq lens and block
+table, split once into its decode and prefill parts, each with its workspace) -> for every MSA layer,
 MSAImpl writes the new K/V and index keys into their paged caches, scores the index keys per
 128-token block, picks the top-k blocks and runs attention over those blocks only (msa_kernels.ops:
 CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
@@ -47,6 +48,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 
 from msa_kernels import ops, reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, MSAShape, PagedBatch
 from vllm_msa import compat
 from vllm_msa.config import FP8_CACHE_DTYPES, SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
@@ -101,7 +103,7 @@ class FlashMSABackend(AttentionBackend):
 
 @dataclass
 class FlashMSAMetadata(AttentionMetadata):
-    batch: PagedBatch
+    plan: StepPlan  # the step's batch, its decode and prefill parts and their workspaces
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slots, -1 = padding
     num_actual_tokens: int
     max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
@@ -116,8 +118,8 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     """Any mix of decode, speculative verification, prefill and chunked prefill. vLLM orders each step's
     requests with the decode requests first: one new token, or under speculative decoding up to 1 +
     num_speculative_tokens (reorder_batch_threshold, raised by vLLM as for its own M3 backend). build
-    splits the batch there once (PagedBatch.split, kept on the batch), so every layer of the step runs the
-    decode kernels on the decode part and the prefill kernels on the prefill part (kernels/msa_kernels/ops.py). The
+    plans the step there once (StepPlan.of), so every layer of the step runs the decode kernels on the decode
+    part and the prefill kernels on the prefill part (kernels/msa_kernels/ops.py). The
     decode kernels run every token on its own, causal by its position, so unlike vLLM's M3 the decode part
     need not be uniform: requests whose drafter proposed fewer tokens, and short chunks of a prompt, run
     there too."""
@@ -156,13 +158,12 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
             seq_lens=m.seq_lens[: m.num_reqs],
             block_table=m.block_table_tensor[: m.num_reqs],
+            # the CPU-side array vLLM already holds, so building never syncs a device
+            query_start_loc_cpu=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
         )
-        # Host copy from the CPU-side array vLLM already holds, so building never syncs a device.
-        batch.query_start_loc_cpu = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
         assert self.reorder_batch_threshold is not None  # set in __init__
-        batch.split(compat.num_decode_requests(m, self.reorder_batch_threshold))
         return FlashMSAMetadata(
-            batch=batch,
+            plan=StepPlan.of(batch, compat.num_decode_requests(m, self.reorder_batch_threshold)),
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -248,7 +249,8 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         """Dense causal attention of a plain vLLM Attention layer (K/V already in the cache)."""
         if attn_metadata is None:  # memory-profiling run: caches are not bound yet
             return output.fill_(0)
-        batch, n = attn_metadata.batch, attn_metadata.num_actual_tokens
+        plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
+        batch = plan.batch
         kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
         fp8_kv = reference.is_fp8_kv(kv_cache)
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size, fp8_kv)
@@ -280,7 +282,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         selected = every_block.expand(n, shape.num_index_heads, max_blocks)
         selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
         ops.sparse_attention(
-            query[:n], kv_cache, batch, selected, shape, self.scale, out=output[:n], kv_scales=layer_kv_scales(layer)
+            query[:n], kv_cache, plan, selected, shape, self.scale, out=output[:n], kv_scales=layer_kv_scales(layer)
         )
         return output
 
@@ -315,7 +317,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         layer's K/V scales, index keys quantised for an FP8 cache)."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
-        write_index_keys(index_key_cache, index_metadata.slot_mapping, index_key)
+        write_index_keys(index_key_cache, index_metadata.slot_mapping, index_key, self.shape)
 
     def select(
         self,
@@ -324,9 +326,9 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         index_metadata: FlashMSAMetadata,
     ) -> torch.Tensor:
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
-        n, batch = index_metadata.num_actual_tokens, index_metadata.batch
-        selected = ops.layer_selection(batch, self.shape)  # the observer consumes it before the next layer's call
-        return ops.select_blocks(index_query[:n], index_key_cache, batch, self.shape, out=selected)
+        n, plan = index_metadata.num_actual_tokens, index_metadata.plan
+        selected = ops.layer_selection(plan, self.shape)  # the observer consumes it before the next layer's call
+        return ops.select_blocks(index_query[:n], index_key_cache, plan, self.shape, out=selected)
 
     def attend(
         self,
@@ -339,11 +341,11 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     ) -> None:
         """Attention of each query token [T, Hq, D] over its selected blocks, into output (an FP8 K/V cache read with
         the layer's K/V scales)."""
-        n, batch = attn_metadata.num_actual_tokens, attn_metadata.batch
+        n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         scales = layer_kv_scales(layer)
         ops.sparse_attention(
-            query[:n], kv_cache, batch, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
+            query[:n], kv_cache, plan, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
         )
 
 
@@ -455,13 +457,16 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
 
 
 def write_index_keys(
-    index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_key: torch.Tensor
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
+    slot_mapping: torch.Tensor,
+    index_key: torch.Tensor,
+    shape: MSAShape,
 ) -> None:
     """Store the step's index keys [T, Hki, Dp] at flat slots (< 0: skipped), in the cache's dtype: FP8 caches and
     CPU through msa_kernels.ops (FP8 on Hopper: the CuTeDSL kernel, quantising on the device without a host sync;
     elsewhere the reference), other CUDA caches as write_paged does."""
     if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
-        ops.write_index_keys(index_key_cache, slot_mapping, index_key)
+        ops.write_index_keys(index_key_cache, slot_mapping, index_key, shape)
         return
     index_key = index_key.to(index_key_cache.dtype)  # the cache passed as both caches: the same rows written twice
     compat.write_paged_cuda(index_key_cache, index_key_cache, slot_mapping, index_key, index_key)

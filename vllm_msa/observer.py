@@ -28,7 +28,6 @@ from vllm_msa import compat, metrics, selection_log
 from vllm_msa.config import RankLayout
 
 if TYPE_CHECKING:
-    from msa_kernels.shapes import PagedBatch
     from vllm_msa.backend import FlashMSAMetadata
 
 
@@ -50,10 +49,10 @@ class LayerStep:
     ) -> None:
         """The call wrote key/value [T, Hkv, D] to an FP8 K/V cache with these scales: count the values of its prompt
         (prefill) tokens that saturated; steps of decodes only are not counted (it would cost every decode step)."""
-        decode, prefill = metadata.batch.split()
-        if prefill is None:
+        plan = metadata.plan
+        if plan.part("prefill") is None:
             return
-        start, stop = _num_tokens(decode), metadata.num_actual_tokens
+        start, stop = plan.num_decode_tokens, metadata.num_actual_tokens
         self.observer.step_stats().count_saturated(key[start:stop], value[start:stop], kv_scales)
 
     def done(self, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
@@ -88,13 +87,13 @@ class StepObserver:
         return LayerStep(self, layer_name, self.stats.clock())
 
     def layer_done(self, layer_name: str, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
-        batch = metadata.batch
+        plan = metadata.plan
+        batch = plan.batch
         last = next(reversed(self.layers))
         if layer_name == last and self.layers[last].counts_selections:
             block_size = self.layers[last].shape.block_size
-            decode, _ = batch.split()  # the builder's split of the step
             stats = self.step_stats()
-            stats.record(selected, batch.positions, block_size, _num_tokens(decode), layers=len(self.layers))
+            stats.record(selected, batch.positions, block_size, plan.num_decode_tokens, layers=len(self.layers))
             stats.publish()
         if (  # the capture query (a CUDA call) only where a selection is to be logged
             selection_log.labels_by_key
@@ -110,11 +109,6 @@ class StepObserver:
         step that replays a full CUDA graph, which records on the device but runs no Python)."""
         if self.stats is not None:
             self.stats.publish()
-
-
-def _num_tokens(part: "PagedBatch | None") -> int:
-    """Query tokens of a part of the step's split (PagedBatch.split: None for a part without any)."""
-    return part.num_tokens if part is not None else 0
 
 
 OBSERVER = StepObserver()  # one per process, as the metrics file and the selection log's marked requests

@@ -1,42 +1,38 @@
 """The MSA entry points callers use, and the one place that picks an implementation for each step.
 
-Data flow of one MSA layer (msa_attention), once the paged caches hold the step's keys:
+Data flow of one MSA layer (msa_attention) on a step's plan (msa_kernels.plan.StepPlan: the batch split once into
+its decode and prefill parts, each with its workspace), once the paged caches hold the step's keys:
 
-    batch --PagedBatch.split--> decode part: requests with one new token, or a speculative verification's
-                                             1 + drafted tokens (first, as vLLM orders them)
-                                prefill part: prefill and chunked-prefill requests
     per part:  index queries x paged index keys --index_block_scores--> block scores [T, Hi, blocks]
                --top-k--> selected blocks [T, Hi, K]  (the part's rows of the step's one selection)
                --sparse_attention--> output [T, Hq, D]  (the part's rows of the step's one output)
 
-Each step of a part runs a CuTeDSL kernel (kernels/cute) where the input is on a Hopper GPU with
-CuTeDSL and the kernel's can_implement accepts its dtype and shape, else the next kernel of the list,
-else the PyTorch reference (kernels/msa_kernels/reference.py):
+kernels() chooses, once per kind of layer (device, dtypes, K/V cache kind, shape), what runs every step: a CuTeDSL
+kernel (kernels/msa_kernels/cute) where the input is on a Hopper GPU with CuTeDSL and the kernel's can_implement
+accepts its dtype and shape, else the next kernel of the list, else the PyTorch reference
+(kernels/msa_kernels/reference.py):
 
     step              decode part                          prefill part
     index scores      index_scores.py (bf16 keys),         index_scores_prefill.py (bf16 or FP8 keys),
                       index_scores_fp8.py (FP8 keys)       then as in decode
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
-    sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py, where it serves the shape,
-                      combine.py (K/V cache contiguous)    else sparse_attn.py (K/V cache contiguous)
-                      (an FP8 K/V cache: sparse_attn.py in both phases; a strided K/V cache: the reference)
+    sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (bf16 K/V), else
+                      combine.py                           sparse_attn.py (an FP8 K/V cache)
+                      (a strided K/V cache: the reference)
+    FP8 index keys    fp8_index_key_write.py: the step's index keys quantised on the device
 
-A mixed batch runs as its two parts, into slices of one output. vLLM's metadata builder splits each
-step's batch once (PagedBatch.split with vLLM's count of decode requests, kept on the batch), so every
-layer of the step reuses those parts; other callers' batches (tests, benchmarks) split here, at the
-first request with more than one new token, unless the caller split them. A batch of one phase runs as it
-is. A decode part never syncs the host and has no data-dependent shapes: a full-graph decode step
-(single-token or a uniform verification batch) can be captured.
+A mixed step runs as its two parts, into slices of one output. A step of one phase runs as it is. A decode part
+never syncs the host and has no data-dependent shapes: a full-graph decode step (single-token or a uniform
+verification batch) can be captured.
 
-An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL
-kernel fp8_index_key_write.py, which quantises on the device without a host sync; elsewhere the reference) and
-scored, in a decode part, by index_scores_fp8.py reading the FP8 pages, in a prefill part by
-index_scores_prefill.py's FP8 variant (e4m3 warpgroup MMAs; where it does not serve the shape, the decode
-kernel; where neither does, the reference, and a one-time warning says so). All compute the reference's
-function (the index queries rounded to e4m3 per token and index head), so a token selects the same blocks in
-either phase up to the MMAs' summation (float32 in decode; the FP8 warpgroup MMAs accumulate with less
-precision: msa_kernels/cute/index_scores_prefill.py). With the decode and write kernels an FP8 decode step, like a
-bf16 one, can be captured in a full CUDA graph (graph_capturable).
+An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL kernel,
+which quantises on the device without a host sync; elsewhere the reference) and scored, in a decode part, by
+index_scores_fp8.py reading the FP8 pages, in a prefill part by index_scores_prefill.py's FP8 variant (e4m3
+warpgroup MMAs; where it does not serve the shape, the decode kernel; where neither does, the reference, and a
+one-time warning says so). All compute the reference's function (the index queries rounded to e4m3 per token and
+index head), so a token selects the same blocks in either phase up to the MMAs' summation (float32 in decode; the
+FP8 warpgroup MMAs accumulate with less precision: msa_kernels/cute/index_scores_prefill.py). With the decode and
+write kernels an FP8 decode step, like a bf16 one, can be captured in a full CUDA graph (graph_capturable).
 """
 
 import functools
@@ -49,6 +45,7 @@ import torch
 
 from msa_kernels import reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.34's pin), its calling convention
@@ -98,11 +95,16 @@ def unserved_reason(device: torch.device, dtype: torch.dtype, shape: MSAShape) -
 
 
 class Steps(NamedTuple):
-    """The implementations of one phase's part: index scores, the same as top-k needs them (which reads each
-    row's visible blocks only, so an implementation may leave the others unwritten; the decode kernels write them
-    into the batch's scratch, PagedBatch.scratch, which top-k consumes before the next call: a prefill part's, up to
-    SCORE_BYTES, are freed after top-k as before), top-k, sparse attention (on a contiguous K/V cache; a strided one
-    runs the reference)."""
+    """The implementations of one phase's part of a step:
+
+    index_scores(index_q, index_key_cache, batch, shape): every visible block's score (index_block_scores);
+    selection_scores(index_q, index_key_cache, batch, shape, workspace): the same as top-k needs them (it reads
+    each row's visible blocks only, so an implementation may leave the others unwritten; the decode kernels write
+    them into the part's workspace, which top-k consumes before the next call: a prefill part's, up to SCORE_BYTES,
+    are freed after top-k);
+    topk(scores, positions, shape, out);
+    attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace) on a contiguous K/V cache of
+    the chooser's kind (bf16 or FP8; a strided one runs the reference)."""
 
     index_scores: Callable
     selection_scores: Callable
@@ -110,15 +112,45 @@ class Steps(NamedTuple):
     attention: Callable
 
 
+class Kernels(NamedTuple):
+    """What runs every step of a layer: the decode part's steps, the prefill part's, and what writes the step's
+    index keys into an FP8 index-key cache."""
+
+    decode: Steps
+    prefill: Steps
+    write_fp8_index_keys: Callable
+
+    def steps(self, phase: Phase) -> Steps:
+        return self.decode if phase == "decode" else self.prefill
+
+
 @functools.cache
+def kernels(
+    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, fp8_kv: bool, shape: MSAShape
+) -> Kernels:
+    """The one chooser: what runs each step of a layer of this shape, for inputs of this device and dtype, an
+    index-key cache of index_key_dtype (Fp8IndexKeyCache.dtype: an FP8 cache) and a bf16 or FP8 (fp8_kv) K/V cache:
+    chosen once per layer kind, since an eager layer call must cost microseconds of host time."""
+    return Kernels(
+        _steps(device, dtype, index_key_dtype, fp8_kv, shape, "decode"),
+        _steps(device, dtype, index_key_dtype, fp8_kv, shape, "prefill"),
+        _fp8_index_key_writer(device, dtype, shape),
+    )
+
+
+def _reference_selection_scores(index_q, index_key_cache, batch, shape, workspace):
+    return reference.index_block_scores(index_q, index_key_cache, batch, shape)
+
+
+def _reference_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
+    return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=out, kv_scales=kv_scales)
+
+
 def _steps(
-    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, shape: MSAShape, phase: Phase
+    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, fp8_kv: bool, shape: MSAShape, phase: Phase
 ) -> Steps:
-    """What runs each step of a part of this phase, for inputs of this device and dtype and an index-key cache
-    of index_key_dtype (Fp8IndexKeyCache.dtype: an FP8 cache): chosen once per (device, dtypes, shape, phase),
-    since an eager layer call must cost microseconds of host time."""
     steps = Steps(
-        reference.index_block_scores, reference.index_block_scores, reference.topk_blocks, reference.sparse_attention
+        reference.index_block_scores, _reference_selection_scores, reference.topk_blocks, _reference_attention
     )
     if not _on_hopper(device):
         return steps
@@ -134,25 +166,43 @@ def _steps(
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
         prefill = index_scores_prefill.prefill_index_block_scores
-        steps = steps._replace(index_scores=prefill, selection_scores=functools.partial(prefill, fill_hidden=False))
+
+        def prefill_selection_scores(index_q, index_key_cache, batch, shape, workspace):
+            return prefill(index_q, index_key_cache, batch, shape, fill_hidden=False)
+
+        steps = steps._replace(index_scores=prefill, selection_scores=prefill_selection_scores)
     elif index_scores.IndexScoreKernel.can_implement(*served):
-        decode = index_scores.index_block_scores
-        steps = steps._replace(index_scores=decode, selection_scores=functools.partial(decode, scratch=True))
+        steps = steps._replace(
+            index_scores=index_scores.index_block_scores, selection_scores=index_scores.index_block_scores
+        )
     elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
         fp8_decode = index_scores_fp8.fp8_index_block_scores
-        steps = steps._replace(index_scores=fp8_decode, selection_scores=functools.partial(fp8_decode, scratch=True))
+        steps = steps._replace(index_scores=fp8_decode, selection_scores=fp8_decode)
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
         steps = steps._replace(topk=functools.partial(topk_blocks.topk_blocks, phase=phase))
     heads = (shape.num_q_heads, shape.num_index_heads)
-    if phase == "prefill" and sparse_attn_prefill.PrefillAttentionKernel.can_implement(
-        dtype, *heads, shape.head_dim, shape.block_size
+    if (
+        not fp8_kv
+        and phase == "prefill"
+        and sparse_attn_prefill.PrefillAttentionKernel.can_implement(dtype, *heads, shape.head_dim, shape.block_size)
     ):
-        steps = steps._replace(attention=sparse_attn_prefill.prefill_sparse_attention)
+        prefill_attention = sparse_attn_prefill.prefill_sparse_attention
+
+        def prefill_attention_bf16(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
+            return prefill_attention(q, kv_cache, batch, selected, shape, scale, out)  # bf16: no K/V scales
+
+        steps = steps._replace(attention=prefill_attention_bf16)
     elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
-        steps = steps._replace(attention=sparse_attn.sparse_attention)
+        # decode tokens, and an FP8 K/V cache's prefill tokens (the prefill kernel reads bf16 pages only)
+        attention = sparse_attn.sparse_attention
+
+        def per_token_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
+            return attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales=kv_scales, workspace=workspace)
+
+        steps = steps._replace(attention=per_token_attention)
     return steps
 
 
@@ -165,46 +215,31 @@ def _warn_fp8_index_keys_run_the_reference() -> None:
     )
 
 
-@functools.cache
-def _index_key_writer(device: torch.device, dtype: torch.dtype, num_index_key_heads: int, index_head_dim: int):
+def _fp8_index_key_writer(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> Callable:
     """What writes index keys of this dtype into an FP8 index-key cache on this device: the CuTeDSL kernel on
     Hopper where it serves the shape, else the reference (which syncs the host)."""
     if _on_hopper(device):
         from msa_kernels.cute import fp8_index_key_write
 
-        if fp8_index_key_write.Fp8IndexKeyWriteKernel.can_implement(dtype, index_head_dim):
+        if fp8_index_key_write.Fp8IndexKeyWriteKernel.can_implement(dtype, shape.index_head_dim):
             return fp8_index_key_write.write_index_keys
     return reference.write_index_keys
 
 
 def write_index_keys(
-    index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
+    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
+    slot_mapping: torch.Tensor,
+    index_keys: torch.Tensor,
+    shape: MSAShape,
 ) -> None:
     """Store per-token index keys [>= T, Hki, Dp] at the flat slots slot_mapping [T] (< 0: skipped), as
     reference.write_index_keys does: an FP8 cache on Hopper through the CuTeDSL kernel (quantised on the device,
     no host sync), anything else through the reference."""
     if isinstance(index_key_cache, Fp8IndexKeyCache):
-        _, _, hki, dp = index_key_cache.values.shape
-        _index_key_writer(index_keys.device, index_keys.dtype, hki, dp)(index_key_cache, slot_mapping, index_keys)
+        chosen = kernels(index_keys.device, index_keys.dtype, index_key_cache.dtype, False, shape)
+        chosen.write_fp8_index_keys(index_key_cache, slot_mapping, index_keys)
         return
     reference.write_index_keys(index_key_cache, slot_mapping, index_keys)
-
-
-def _parts(batch: PagedBatch) -> list[tuple[slice | None, PagedBatch]]:
-    """The batch's one-phase parts that have query tokens, with the rows of the batch's tokens each owns
-    (None: all of them, so a batch of one phase, or a mixed one whose other part is empty as in vLLM's
-    decode-only steps, passes its tensors without slicing)."""
-    if batch.phase != "mixed":
-        return [(None, batch)] if batch.num_tokens else []
-    parts = [part for part in batch.split() if part is not None]
-    if len(parts) == 1:
-        return [(None, parts[0])]
-    decode, prefill = parts
-    return [(slice(0, decode.num_tokens), decode), (slice(decode.num_tokens, batch.num_tokens), prefill)]
-
-
-def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
-    return t if rows is None else t[rows]
 
 
 def uses_cute_index_scores(
@@ -212,13 +247,13 @@ def uses_cute_index_scores(
 ) -> bool:
     """Whether a CuTeDSL kernel computes the index scores of this phase's part for such index queries and an
     index-key cache of index_key_dtype (None: the queries' dtype; Fp8IndexKeyCache.dtype: an FP8 cache)."""
-    steps = _steps(index_q.device, index_q.dtype, index_key_dtype or index_q.dtype, shape, phase)
-    return steps.index_scores is not reference.index_block_scores
+    chosen = kernels(index_q.device, index_q.dtype, index_key_dtype or index_q.dtype, False, shape)
+    return chosen.steps(phase).index_scores is not reference.index_block_scores
 
 
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
-    """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous K/V cache)."""
-    return _steps(q.device, q.dtype, q.dtype, shape, phase).attention is not reference.sparse_attention
+    """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous bf16 K/V cache)."""
+    return kernels(q.device, q.dtype, q.dtype, False, shape).steps(phase).attention is not _reference_attention
 
 
 def describe(
@@ -228,28 +263,22 @@ def describe(
     decode part does, except FP8 index scores, which the phases name apart); index_key_dtype as for
     uses_cute_index_scores. With FP8 index keys it also names what writes them."""
     device, index_key_dtype = torch.device(device), index_key_dtype or dtype
-    steps = _steps(device, dtype, index_key_dtype, shape, "decode")
-    index = _implementation(steps.index_scores is not reference.index_block_scores)
-    prefill_steps = _steps(device, dtype, index_key_dtype, shape, "prefill")
-    prefill_index = _implementation(prefill_steps.index_scores is not reference.index_block_scores)
+    chosen = kernels(device, dtype, index_key_dtype, False, shape)
+    index = _implementation(chosen.decode.index_scores is not reference.index_block_scores)
+    prefill_index = _implementation(chosen.prefill.index_scores is not reference.index_block_scores)
     if prefill_index != index:
         index = f"{index} (decode), {prefill_index} (prefill)"
-    topk = _implementation(steps.topk is not reference.topk_blocks)
-    attention = _implementation(steps.attention is not reference.sparse_attention)
+    topk = _implementation(chosen.decode.topk is not reference.topk_blocks)
+    attention = _implementation(chosen.decode.attention is not _reference_attention)
     described = f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
     if index_key_dtype == Fp8IndexKeyCache.dtype:
-        described += f", FP8 index-key writes: {_implementation(_writes_on_device(device, dtype, shape))}"
+        writes = _implementation(chosen.write_fp8_index_keys is not reference.write_index_keys)
+        described += f", FP8 index-key writes: {writes}"
     return described
 
 
 def _implementation(cute: bool) -> str:
     return "CuTeDSL" if cute else "PyTorch"
-
-
-def _writes_on_device(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> bool:
-    """Whether the CuTeDSL kernel writes this layer's index keys into an FP8 index-key cache."""
-    writer = _index_key_writer(device, dtype, shape.num_index_key_heads, shape.index_head_dim)
-    return writer is not reference.write_index_keys
 
 
 def graph_capturable(
@@ -264,61 +293,64 @@ def graph_capturable(
     loop over requests on the host, and the reference's FP8 index-key write indexes by a boolean mask
     (vLLM's cache op writes bf16 index keys). index_key_dtype as for uses_cute_index_scores."""
     device, index_key_dtype = torch.device(device), index_key_dtype or dtype
-    steps = _steps(device, dtype, index_key_dtype, shape, "decode")
-    if steps.attention is reference.sparse_attention:
+    chosen = kernels(device, dtype, index_key_dtype, False, shape)
+    if chosen.decode.attention is _reference_attention:
         return False
     if not index_scores:
         return True
-    writes = index_key_dtype != Fp8IndexKeyCache.dtype or _writes_on_device(device, dtype, shape)
-    return writes and steps.index_scores is not reference.index_block_scores
+    writes = index_key_dtype != Fp8IndexKeyCache.dtype or chosen.write_fp8_index_keys is not reference.write_index_keys
+    return writes and chosen.decode.index_scores is not reference.index_block_scores
 
 
 def index_block_scores(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape
+    index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, plan: StepPlan, shape: MSAShape
 ) -> torch.Tensor:
-    """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed batch's parts concatenated)."""
+    """Causal max-pooled index block scores [T, Hi, max_blocks] (a mixed step's parts concatenated)."""
+    chosen = kernels(index_q.device, index_q.dtype, index_key_cache.dtype, False, shape)
     scores = [
-        _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase).index_scores(
-            _rows(index_q, rows), index_key_cache, part, shape
-        )
-        for rows, part in _parts(batch)
+        chosen.steps(part.phase).index_scores(part.of(index_q), index_key_cache, part.batch, shape)
+        for part in plan.parts
     ]
     if len(scores) == 1:
         return scores[0]
-    return torch.cat(scores) if scores else reference.index_block_scores(index_q, index_key_cache, batch, shape)
+    return torch.cat(scores) if scores else reference.index_block_scores(index_q, index_key_cache, plan.batch, shape)
 
 
 def select_blocks(
     index_q: torch.Tensor,
     index_key_cache: torch.Tensor | Fp8IndexKeyCache,
-    batch: PagedBatch,
+    plan: StepPlan,
     shape: MSAShape,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (batch: the index-key cache's block
-    table), written into out if given (e.g. a slice of a step's selection)."""
+    """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (the plan's batch: the index-key cache's
+    block table), written into out if given (e.g. layer_selection)."""
     selected = (
         out
         if out is not None
         else torch.empty(
-            (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
+            (plan.batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
         )
     )
-    for rows, part in _parts(batch):
-        steps = _steps(index_q.device, index_q.dtype, index_key_cache.dtype, shape, part.phase)
-        part_q, part_selected = _rows(index_q, rows), _rows(selected, rows)
-        for chunk_rows, chunk in _score_chunks(part, shape):
-            scores = steps.selection_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape)
+    chosen = kernels(index_q.device, index_q.dtype, index_key_cache.dtype, False, shape)
+    for part in plan.parts:
+        steps = chosen.steps(part.phase)
+        part_q, part_selected = part.of(index_q), part.of(selected)
+        for chunk_rows, chunk in _score_chunks(part.batch, shape):
+            scores = steps.selection_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape, part.workspace)
             steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
     return selected
 
 
-def layer_selection(batch: PagedBatch, shape: MSAShape) -> torch.Tensor:
-    """Where a layer call of a serving step writes its selection [T, Hi, K] int32 (select_blocks' out): the batch's
-    scratch (PagedBatch.scratch), which the step's layers share, for a caller that consumes each layer's selection
-    before the next layer's call on the batch, as the backend does (one allocation fewer per layer call: ~5 us of
-    host time on the H200's host)."""
-    return batch.scratch("selected blocks", (batch.num_tokens, shape.num_index_heads, shape.topk_blocks), torch.int32)
+def layer_selection(plan: StepPlan, shape: MSAShape) -> torch.Tensor:
+    """Where a layer call of a serving step writes its selection [T, Hi, K] int32 (select_blocks' out): the step's
+    workspace, which its layers share, for a caller that consumes each layer's selection before the next layer's
+    call, as the backend does (one allocation fewer per layer call: ~5 us of host time on the H200's host)."""
+    return plan.workspace.selection((plan.batch.num_tokens, shape.num_index_heads, shape.topk_blocks))
+
+
+def _rows(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
 
 
 def _score_chunks(part: PagedBatch, shape: MSAShape) -> Sequence[tuple[slice | None, PagedBatch]]:
@@ -334,7 +366,7 @@ def _score_chunks(part: PagedBatch, shape: MSAShape) -> Sequence[tuple[slice | N
 def sparse_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    batch: PagedBatch,
+    plan: StepPlan,
     selected: torch.Tensor,
     shape: MSAShape,
     scale: float,
@@ -343,31 +375,27 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given).
 
-    An FP8 K/V cache (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) runs
-    _fp8_kv_attention in both phases; a strided K/V cache the reference."""
-    result = out if out is not None else q.new_empty((batch.num_tokens, shape.num_q_heads, shape.head_dim))
+    An FP8 K/V cache (reference.is_fp8_kv) is dequantised with kv_scales = (k_scale, v_scale); a strided K/V cache
+    runs the reference."""
+    result = out if out is not None else q.new_empty((plan.batch.num_tokens, shape.num_q_heads, shape.head_dim))
     if not kv_cache.is_contiguous():
-        return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
-    if reference.is_fp8_kv(kv_cache):
-        attend = _fp8_kv_attention(q.device, q.dtype, shape)
-        return attend(q, kv_cache, batch, selected, shape, scale, out=result, kv_scales=kv_scales)
-    for rows, part in _parts(batch):
-        attend = _steps(q.device, q.dtype, q.dtype, shape, part.phase).attention
-        attend(_rows(q, rows), kv_cache, part, _rows(selected, rows), shape, scale, out=_rows(result, rows))
+        return reference.sparse_attention(
+            q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
+        )
+    chosen = kernels(q.device, q.dtype, q.dtype, reference.is_fp8_kv(kv_cache), shape)
+    for part in plan.parts:
+        chosen.steps(part.phase).attention(
+            part.of(q),
+            kv_cache,
+            part.batch,
+            part.of(selected),
+            shape,
+            scale,
+            part.of(result),
+            kv_scales,
+            part.workspace,
+        )
     return result
-
-
-@functools.cache
-def _fp8_kv_attention(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> Callable:
-    """What attends over an FP8 K/V cache: on Hopper the per-token CuTeDSL kernel (sparse_attn.py, e4m3 pages
-    widened in shared memory) for decode and prefill tokens alike (the prefill attention kernel reads bf16 only),
-    else the reference."""
-    if _on_hopper(device):
-        from msa_kernels.cute import sparse_attn
-
-        if sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
-            return sparse_attn.sparse_attention
-    return reference.sparse_attention
 
 
 def msa_attention(
@@ -375,12 +403,12 @@ def msa_attention(
     index_q: torch.Tensor,
     kv_cache: torch.Tensor,
     index_key_cache: torch.Tensor | Fp8IndexKeyCache,
-    batch: PagedBatch,
+    plan: StepPlan,
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole MSA layer once the caches hold the new tokens: returns (output [T, Hq, D], selected blocks)."""
-    selected = select_blocks(index_q, index_key_cache, batch, shape)
-    return sparse_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales), selected
+    selected = select_blocks(index_q, index_key_cache, plan, shape)
+    return sparse_attention(q, kv_cache, plan, selected, shape, scale, out, kv_scales), selected

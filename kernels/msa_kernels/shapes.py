@@ -3,14 +3,15 @@
 Every MSA implementation (the PyTorch reference, the CuTeDSL kernels) takes these two objects, so
 callers describe a layer and a batch once. The math is in docs/MSA_SPEC.md.
 
-A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split,
-decodes first as vLLM's scheduler orders them); msa_kernels.ops picks each part's kernels by its phase.
+A step's batch is split once into its decode requests and its prefill requests (PagedBatch.split, decodes first
+as vLLM's scheduler orders them), by the step's plan (msa_kernels.plan); msa_kernels.ops picks each part's kernels
+by its phase.
 A decode request brings one new token, or under speculative decoding 1 + the drafted tokens it verifies:
 the decode kernels run every token on its own, causal by its position, so any such request is a decode.
 """
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -97,12 +98,15 @@ class PagedBatch:
     phase: "decode" (every request brings at most the split's max_decode_query_len tokens: one, or a
     speculative verification), "prefill" (prefill and chunked-prefill requests, any number of tokens) or
     "mixed" (not split yet: see split).
+    query_start_loc_cpu: the host's copy of query_start_loc (vLLM's builder has it: building never syncs the
+    device); copied from the device where not given.
     """
 
     query_start_loc: torch.Tensor  # [R + 1] int32
     seq_lens: torch.Tensor  # [R] int32
     block_table: torch.Tensor  # [R, max_blocks] int32
     phase: Phase = "mixed"
+    query_start_loc_cpu: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """int32 index tensors, as the kernels take them. vLLM's builder buffers already are, so they pass
@@ -110,10 +114,8 @@ class PagedBatch:
         for name in ("query_start_loc", "seq_lens", "block_table"):
             if getattr(self, name).dtype != torch.int32:
                 setattr(self, name, getattr(self, name).to(torch.int32))
-
-    @cached_property
-    def query_start_loc_cpu(self) -> list[int]:
-        return self.query_start_loc.tolist()
+        if not self.query_start_loc_cpu:
+            self.query_start_loc_cpu = self.query_start_loc.tolist()
 
     @cached_property
     def seq_lens_cpu(self) -> list[int]:
@@ -130,28 +132,23 @@ class PagedBatch:
         """(decode part, prefill part) of a mixed batch whose decode requests come first, as vLLM orders
         them (reorder_batch_threshold, split_decodes_and_prefills); None for a part without query tokens.
 
-        num_decode_requests: vLLM's builder gives its count; without it, the batch's split so far, else
-        the requests before the first one with more than max_decode_query_len new tokens (1, or 1 +
-        num_speculative_tokens where vLLM verifies drafted tokens). The parts' tensors are slices of this
-        batch's, except the prefill part's query_start_loc, rebased to its first token by one device
-        subtraction; the host copy of query_start_loc gives the boundaries, so splitting never syncs the
-        device. Kept on the batch: the layers of a step share the parts and what they compute (token
+        num_decode_requests: vLLM's builder gives its count; without it, the requests before the first one
+        with more than max_decode_query_len new tokens (1, or 1 + num_speculative_tokens where vLLM verifies
+        drafted tokens). The parts' tensors are slices of this batch's, except the prefill part's
+        query_start_loc, rebased to its first token by one device subtraction; the host copy of query_start_loc
+        gives the boundaries, so splitting never syncs the device. The step's plan (msa_kernels.plan.StepPlan)
+        splits once and keeps the parts: the layers of a step share them and what they compute (token
         positions, tiles).
         """
         if self.phase != "mixed":
             raise ValueError(f"split takes a mixed batch, got a {self.phase} one")
-        made = self.__dict__.get("_split")
-        if made is not None and num_decode_requests in (None, made[0]):
-            return made[1]
         if num_decode_requests is None:
             lens = self.query_lens_cpu
             num_decode_requests = next((r for r, n in enumerate(lens) if n > max_decode_query_len), len(lens))
-        parts = (
+        return (
             self._part(0, num_decode_requests, "decode"),
             self._part(num_decode_requests, self.num_requests, "prefill"),
         )
-        self.__dict__["_split"] = (num_decode_requests, parts)
-        return parts
 
     def _part(self, first: int, end: int, phase: Phase) -> "PagedBatch | None":
         """Requests [first, end) as a batch of their own, or None if they bring no query token."""
@@ -159,16 +156,13 @@ class PagedBatch:
         if first >= end or starts[0] == starts[-1]:
             return None
         query_start_loc = self.query_start_loc[first : end + 1]
-        part = PagedBatch(
+        return PagedBatch(
             query_start_loc=query_start_loc - starts[0] if starts[0] else query_start_loc,
             seq_lens=self.seq_lens[first:end],
             block_table=self.block_table[first:end],
             phase=phase,
+            query_start_loc_cpu=[start - starts[0] for start in starts],
         )
-        part.query_start_loc_cpu = [start - starts[0] for start in starts]
-        if "seq_lens_cpu" in self.__dict__:
-            part.seq_lens_cpu = self.seq_lens_cpu[first:end]
-        return part
 
     def token_chunks(self, max_tokens: int) -> list[tuple[slice, "PagedBatch"]]:
         """The batch's query tokens cut into runs of at most max_tokens consecutive tokens, each as a batch of
@@ -193,8 +187,8 @@ class PagedBatch:
                 seq_lens=self.seq_lens[r0:r1] - _to_device(torch.tensor(cut, dtype=torch.int32), device),
                 block_table=self.block_table[r0:r1],
                 phase=self.phase,
+                query_start_loc_cpu=local,
             )
-            chunk.query_start_loc_cpu = local
             chunks.append((slice(first, end), chunk))
         return chunks
 
@@ -228,25 +222,6 @@ class PagedBatch:
         offset_in_query = tokens - self.query_start_loc[request]
         positions = self.seq_lens[request] - q_lens + offset_in_query
         return torch.where(tokens < self.query_start_loc[-1], positions, -1).to(torch.int32)
-
-    def scratch(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A work tensor on the batch's device that one call on this batch fills and consumes before it returns (a
-        decode part's index scores on their way to top-k, split-K partials), made once and handed to every later
-        call that asks for the same name (which fixes the dtype) and size: the layers of a step share it as they
-        share the batch (on a GPU each allocation costs microseconds of host time per layer call). Calls on one
-        batch must run in one stream's order, as vLLM's layers do. One made during CUDA-graph capture is kept apart
-        from one made outside it, so a graph only holds memory of its own pool and eager calls never write a
-        graph's."""
-        key = (name, size, self._on_cuda and torch.cuda.is_current_stream_capturing())
-        cache = self.__dict__.setdefault("_scratch", {})
-        tensor = cache.get(key)
-        if tensor is None:
-            tensor = cache[key] = torch.empty(size, dtype=dtype, device=self.query_start_loc.device)
-        return tensor
-
-    @cached_property
-    def _on_cuda(self) -> bool:
-        return self.query_start_loc.is_cuda
 
     def request_tiles(self, tile_tokens: int) -> torch.Tensor:
         """[tiles, 3] int32 rows (request, first token, end token) on the batch's device: each request's

@@ -6,11 +6,13 @@ visible tokens poisons its output.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
 
 from msa_kernels import reference
+from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 
@@ -49,6 +51,11 @@ class PagedCase:
     index_key_cache: torch.Tensor  # [pages, B, Hki, Dp]
     scale: float
 
+    @cached_property
+    def plan(self) -> StepPlan:
+        """The batch's step plan (StepPlan.of), made once as vLLM's builder makes a step's: msa_kernels.ops takes it."""
+        return StepPlan.of(self.batch)
+
     def request_tokens(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
         """Request r's contiguous K, V, index keys [seq_len, heads, dim] and its query token slice."""
         b = self.shape.block_size
@@ -78,7 +85,7 @@ class PagedCase:
             self.index_q,
             self.kv_cache,
             self.index_key_cache,
-            self.batch,
+            self.plan,
             self.shape,
             self.scale,
             out=torch.full_like(self.q, float("nan")),

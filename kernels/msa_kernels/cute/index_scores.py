@@ -26,6 +26,7 @@ import torch
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import block_scores_out, compiled_kernel
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -183,11 +184,11 @@ def index_block_scores(
     index_key_cache: torch.Tensor,
     batch: PagedBatch,
     shape: MSAShape,
-    scratch: bool = False,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
-    cache on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out)."""
-    out = block_scores_out(batch, shape.num_index_heads, scratch)
+    cache on Hopper: every token on its own. workspace: into its block scores (runtime.block_scores_out)."""
+    out = block_scores_out(batch, shape.num_index_heads, workspace)
     _kernel(shape, lane_elems_for(batch.num_tokens))(
         index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out
     )

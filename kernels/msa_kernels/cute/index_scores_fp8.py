@@ -40,6 +40,7 @@ from msa_kernels.cute.fp8_rows import quantize_row_slice
 from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import block_scores_out, compiled_kernel
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -290,11 +291,15 @@ def _chunk(row: cute.Tensor, vec: int, index: int) -> cute.Tensor:
 
 
 def fp8_index_block_scores(
-    index_q: torch.Tensor, index_key_cache: Fp8IndexKeyCache, batch: PagedBatch, shape: MSAShape, scratch: bool = False
+    index_q: torch.Tensor,
+    index_key_cache: Fp8IndexKeyCache,
+    batch: PagedBatch,
+    shape: MSAShape,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and an FP8 index-key cache
-    on Hopper: every token on its own. scratch: into the batch's scratch tensor (runtime.block_scores_out)."""
-    out = block_scores_out(batch, shape.num_index_heads, scratch)
+    on Hopper: every token on its own. workspace: into its block scores (runtime.block_scores_out)."""
+    out = block_scores_out(batch, shape.num_index_heads, workspace)
     _kernel(shape)(
         index_q.contiguous(),
         index_key_cache.values,

@@ -4,7 +4,7 @@ compiled_kernel  a kernel class compiled once per parameter set for CuTeDSL's TV
                  convention (called with torch tensors, on torch's current stream): in memory per
                  process, the exported object file on disk across processes
 num_sms          streaming multiprocessors of a device (split-K sizing)
-block_scores_out where an index-score launcher writes: the batch's scratch or a new tensor
+block_scores_out where an index-score launcher writes: the step part's workspace or a new tensor
 contiguous_out / copy_into
                  the contiguous output a kernel writes, and its copy into a caller's strided `out`
 
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import PagedBatch
 
 if TYPE_CHECKING:
@@ -97,13 +98,12 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def block_scores_out(batch: PagedBatch, num_index_heads: int, scratch: bool) -> torch.Tensor:
-    """Where an index-score launcher writes the block scores [T, Hi, max_blocks] fp32: the batch's scratch tensor
-    (PagedBatch.scratch: for a caller that consumes them before its next call on the batch, as top-k does), else a
-    new one."""
+def block_scores_out(batch: PagedBatch, num_index_heads: int, workspace: Workspace | None) -> torch.Tensor:
+    """Where an index-score launcher writes the block scores [T, Hi, max_blocks] fp32: the step part's workspace
+    (for a caller that consumes them before its next call on the part, as top-k does), else a new tensor."""
     size = (batch.num_tokens, num_index_heads, batch.block_table.shape[1])
-    if scratch:
-        return batch.scratch("block scores", size, torch.float32)
+    if workspace is not None:
+        return workspace.block_scores(size)
     return torch.empty(size, dtype=torch.float32, device=batch.block_table.device)
 
 

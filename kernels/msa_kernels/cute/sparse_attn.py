@@ -50,6 +50,7 @@ from msa_kernels.cute.warp_mma import (
     rows_cols,
     swizzled_rows,
 )
+from msa_kernels.plan import Workspace
 from msa_kernels.reference import is_fp8_kv
 from msa_kernels.shapes import MSAShape, PagedBatch
 
@@ -458,13 +459,15 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 queries, a bf16 or FP8
     (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) K/V cache and int32 selections on
     Hopper: one token per CTA, split-K merged by combine.py where splits > 1.
 
     kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
-    tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block).
+    tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block). workspace:
+    where the split partials go (the step part's, reused by its next layer), else new tensors.
     """
     result = contiguous_out(out, q.shape, q.dtype, q.device)
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
@@ -473,11 +476,13 @@ def sparse_attention(
     plan = _launch_plan(shape, num_tokens, selected.shape[-1], splits, fp8_kv, result.device.index or 0)
     token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
     scales = (scale * kv_scales[0], kv_scales[1])  # k_scale folds into the softmax scale
-    lse = batch.scratch("split log-sum-exps", (plan.splits, num_tokens, hq), torch.float32)
+    if workspace is None:
+        workspace = Workspace(result.device)
+    lse = workspace.split_log_sum_exps((plan.splits, num_tokens, hq))
     if plan.splits == 1:
         plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, *scales, plan.tiles_per_split)
     else:
-        partial = batch.scratch("split outputs", (plan.splits, num_tokens, hq, d), torch.float32)
+        partial = workspace.split_outputs((plan.splits, num_tokens, hq, d))
         plan.kernel(*token_inputs, partial, lse, *scales, plan.tiles_per_split)
         combine_splits(partial, lse, result)
     return copy_into(result, out)
