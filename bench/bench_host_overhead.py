@@ -7,8 +7,8 @@
 batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
 SCALE, paged_problem of bench.problems; ops.select_blocks into the step's selection
 (ops.layer_selection), ops.sparse_attention into a preallocated output, as vllm_msa's backend calls them).
-Each case reuses one batch, as the layers of a step share theirs, so what is measured is a layer's own cost,
-not the step's.
+Each case reuses one step plan (msa_kernels.plan.StepPlan, made once as vLLM's builder makes a step's), as the
+layers of a step share theirs, so what is measured is a layer's own cost, not the step's.
 
 host us/call   wall time until the call returns, averaged over --calls calls: the calls run in groups
                of --group with a synchronize between groups (not timed), so the GPU's launch queue never

@@ -292,14 +292,16 @@ def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launch
 
 
 def test_the_prefill_attention_takes_every_token_in_tiles_of_consecutive_tokens(launches):
-    """One launch over every token: each request's tokens in tiles of at most 64 / m (4 for MiniMax-M3)."""
+    """One launch over every token: each request's tokens in tiles of at most 64 / m (4 for MiniMax-M3), with a union
+    bound no tile reaches (a tile's union has at most `candidates` blocks)."""
     case = launch_case("prefill")
     selected = case.reference_selection()
     out = torch.empty_like(case.q)
     sparse_attn_prefill.prefill_sparse_attention(case.q, case.kv_cache, case.batch, selected, M3_SHAPE, case.scale, out)
     assert launches.kernels() == ["PrefillAttentionKernel"]
     [launch] = launches.launches
-    request, first, end = launch.args[-3].cpu().unbind(1)  # the tiles
+    assert launch.args[-2] == launch.params.candidates == 4 * M3_SHAPE.topk_blocks
+    request, first, end = launch.args[-5].cpu().unbind(1)  # the tiles
     assert launch.params.tokens_per_tile == 4 and int((end - first).max()) == 4
     assert (end - first).sum() == case.batch.num_tokens and (first[1:] == end[:-1]).all()
     assert (request.diff() >= 0).all() and request.unique().numel() == case.batch.num_requests

@@ -1,22 +1,28 @@
 """CuTeDSL kernel (sm_90a): prefill sparse attention on warpgroup MMAs, K/V pages by TMA.
 
-Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA (one warpgroup) owns
-G = 64 / m consecutive query tokens of one request and one index head, its 64 MMA rows those tokens x the
-m = Hq / Hi query heads of that index head (G = 4 for MiniMax-M3). The tokens select their blocks
-independently, so the CTA reads the union of their selections once, in block order, and a row ignores the
-blocks its token did not select (score -inf). Where neighbouring tokens pick the same blocks (the local block
-always; in trained models often most of them) one K/V tile feeds up to G tokens; where they share nothing the
-CTA reads what G per-token CTAs would, with 4x the MMA rows, and still in less time than they take
-(results/README.md, the prefill attention sweep of 2026-12-05), so prefill_sparse_attention gives this kernel
-every tile. That sweep's losers (two warpgroups a CTA, a ring of more K/V pages, a union bound past which tiles
-went to the per-token kernel) are gone.
+Computes reference.sparse_attention for prefill and chunked-prefill tokens. A CTA owns G consecutive query
+tokens of one request and one index head, in `warpgroups` warpgroups (1 or 2) of 64 MMA rows each: a
+warpgroup's G / warpgroups tokens x the m = Hq / Hi query heads of that index head (64 / m tokens a
+warpgroup; 4 for MiniMax-M3). The tokens select
+their blocks independently, so the CTA reads the union of their selections once, in block order,
+and a row ignores the blocks its token did not select (score -inf). Where neighbouring tokens pick
+the same blocks (the local block always; in trained models often most of them) one K/V tile feeds
+up to G tokens; where they share nothing the CTA reads what G per-token CTAs would, with 4x the
+MMA rows, and still in less time than they take (results/README.md, the prefill attention sweep of
+2026-12-05), so prefill_sparse_attention gives this kernel every tile, on one warpgroup and one stage.
 
-Per union block: TMA loads the page's K and V tiles (128 keys x D) into the CTA's one K/V page (so two CTAs
-share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
+The kernel still takes a union bound (a tile past it is left, its `handled` flags 0), two warpgroups and more
+stages, from the candidates that lost that sweep: prefill_sparse_attention passes no bound a tile can reach, one
+warpgroup and one stage. The kernel without them (branch prefill-one-configuration: nearly the same PTX) measured
+3-5% slower on an H100 on the trained selections (2026-12-06, two alternating runs, results/README.md), so this
+code stays served until the cause is found.
+
+Per union block: TMA loads the page's K and V tiles (128 keys x D) into a ring of `stages` pages
+(default 1, so two CTAs share an SM and one computes while the other loads), S = Q K^T (wgmma, both operands in shared
 memory), mask (unselected block, causal, keys past the request), online softmax, O += P V (wgmma,
-P from registers, V read transposed from shared memory). K and V arrive on barriers of their own: the K tile
-is refilled with the next block's as soon as every warp's S is done, so it loads during the softmax and P V;
-the V tile once P V is done. V rows past the request's length are
+P from registers, V read transposed from shared memory). K and V arrive on barriers of their own: a stage's
+K tile is refilled with the next block's as soon as every warp's S is done, so it loads during the softmax and
+P V; the V tile once P V is done. V rows past the request's length are
 zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the MMA.
 """
 
@@ -59,15 +65,24 @@ class PrefillAttentionParams:
     head_dim: int  # D
     topk_blocks: int  # K: selection slots per (token, index head)
     block_size: int = 128  # B: tokens per block == per page
+    stages: int = 1  # K/V pages per CTA: 1 lets two CTAs share an SM (one computes while the other loads)
+    warpgroups: int = 1  # per CTA, each with ROWS rows of its own tokens, all sharing every K/V page the CTA loads
 
     @property
     def heads_per_index_head(self) -> int:
         return self.num_q_heads // self.num_index_heads
 
     @property
-    def tokens_per_tile(self) -> int:
-        """G: the tile's tokens, ROWS MMA rows with their m query heads each."""
+    def tokens_per_warpgroup(self) -> int:
         return ROWS // self.heads_per_index_head
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.warpgroups * self.tokens_per_warpgroup
+
+    @property
+    def threads(self) -> int:
+        return self.warpgroups * WARPGROUP
 
     @property
     def candidates(self) -> int:
@@ -108,6 +123,8 @@ class PrefillAttentionKernel:
             row_major(i32, 3),  # selected
             row_major(i32, 2),  # tiles
             row_major(bf16, 3, align=16),  # out
+            row_major(i32, 2),  # handled
+            cutlass.Int32(0),  # max_union
             cutlass.Float32(1.0),
             env_stream(),
         )
@@ -123,22 +140,23 @@ class PrefillAttentionKernel:
         selected: cute.Tensor,  # [T, Hi, K] int32 logical blocks, ascending, -1 padded
         tiles: cute.Tensor,  # [tiles, 3] int32: request, first token, end token
         out: cute.Tensor,  # [T, Hq, D] bf16
+        handled: cute.Tensor,  # [T, Hi] int32 out: 1 where this kernel wrote the rows, 0 where it left them
+        max_union: cutlass.Int32,  # tiles whose union has more blocks are left (their handled flags 0)
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
         p = self.p
         bf16 = cutlass.BFloat16
-        q_layout = cute.tile_to_shape(smem_atom(), (ROWS, p.head_dim), (0, 1))
-        # One K/V page (the helpers' rings of pages, of one page here).
-        kv_layout = cute.tile_to_shape(smem_atom(), (p.block_size, p.head_dim, 1), (0, 1, 2))
+        q_layout = cute.tile_to_shape(smem_atom(), (ROWS, p.head_dim, p.warpgroups), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(smem_atom(), (p.block_size, p.head_dim, p.stages), (0, 1, 2))
         tma_atom, tma_kv = kv_cache_tma(kv_cache, kv_layout, p.block_size, p.head_dim)
         mma_qk, mma_pv = attention_mmas(p.block_size, p.head_dim)
         row_copy = query_row_copy(p.head_dim)
 
         @cute.struct
         class Storage:
-            full_k: cute.struct.MemRange[cutlass.Int64, 1]  # TMA arrival of the K tile
-            full_v: cute.struct.MemRange[cutlass.Int64, 1]  # and of the V tile
+            full_k: cute.struct.MemRange[cutlass.Int64, p.stages]  # TMA arrival of a stage's K tile
+            full_v: cute.struct.MemRange[cutlass.Int64, p.stages]  # and of its V tile
             candidate: cute.struct.MemRange[cutlass.Int32, p.candidates]  # the tokens' selections
             first_seen: cute.struct.MemRange[cutlass.Int32, p.candidates]  # 1: no earlier token has it
             union_block: cute.struct.MemRange[cutlass.Int32, p.candidates]  # distinct blocks, ascending
@@ -156,6 +174,8 @@ class PrefillAttentionKernel:
             selected,
             tiles,
             out,
+            handled,
+            max_union,
             scale * LOG2_E,
             tma_atom,
             mma_qk,
@@ -166,7 +186,7 @@ class PrefillAttentionKernel:
             Storage,
         ).launch(
             grid=[cute.size(tiles, mode=[0]), p.num_index_heads, 1],
-            block=[WARPGROUP, 1, 1],
+            block=[p.threads, 1, 1],
             smem=Storage.size_in_bytes(),
             stream=stream,
         )
@@ -182,6 +202,8 @@ class PrefillAttentionKernel:
         selected: cute.Tensor,
         tiles: cute.Tensor,
         out: cute.Tensor,
+        handled: cute.Tensor,
+        max_union: cutlass.Int32,
         scale_log2: cutlass.Float32,
         tma_atom: cute.CopyAtom,
         mma_qk: cute.TiledMma,
@@ -197,6 +219,9 @@ class PrefillAttentionKernel:
         tidx, _, _ = cute.arch.thread_idx()
         tile, index_head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        group = warp // 4  # the warpgroup: tokens [group, group + 1) x tokens_per_warpgroup of the tile
+        wg_tidx = tidx % WARPGROUP
+        group_first_token = group * p.tokens_per_warpgroup
         request = tiles[tile, 0]
         first = tiles[tile, 1]
         num_tokens = tiles[tile, 2] - first
@@ -215,24 +240,25 @@ class PrefillAttentionKernel:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sVt = transposed_pages(sV, p.block_size, p.head_dim, 1)
+        sVt = transposed_pages(sV, p.block_size, p.head_dim, p.stages)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
             with cute.arch.elect_one():
-                cute.arch.mbarrier_init(full_k, 1)
-                cute.arch.mbarrier_init(full_v, 1)
+                for s in cutlass.range_constexpr(p.stages):
+                    cute.arch.mbarrier_init(full_k + s, 1)
+                    cute.arch.mbarrier_init(full_v + s, 1)
             cute.arch.mbarrier_init_fence()
 
         # The union of the tokens' selections: each distinct block once, ascending, with the bit set
         # of the tokens that selected it.
-        for c in range(tidx, p.candidates, WARPGROUP):
+        for c in range(tidx, p.candidates, p.threads):
             block = cutlass.Int32(-1)
             if c // k_max < num_tokens:
                 block = selected[first + c // k_max, index_head, c % k_max]
             candidate[c] = block
         cute.arch.sync_threads()
-        for c in range(tidx, p.candidates, WARPGROUP):
+        for c in range(tidx, p.candidates, p.threads):
             block = candidate[c]
             seen = cutlass.Int32(0)
             if block >= 0:
@@ -245,7 +271,13 @@ class PrefillAttentionKernel:
         union_size = cutlass.Int32(0)
         for c in range(p.candidates):
             union_size += first_seen[c]
-        for c in range(tidx, p.candidates, WARPGROUP):
+        done = cutlass.Int32(1)
+        if union_size > max_union:
+            done = 0
+            union_size = 0
+        for g in range(tidx, num_tokens, p.threads):
+            handled[first + g, index_head] = done
+        for c in range(tidx, p.candidates, p.threads):
             if first_seen[c] != 0:
                 block = candidate[c]
                 rank = cutlass.Int32(0)
@@ -261,27 +293,31 @@ class PrefillAttentionKernel:
 
         gKV = cute.local_tile(tma_kv[None, None, kv_head, None, None], (p.block_size, p.head_dim), (0, 0, None, None))
         tKs, tVs, tKVg = page_tiles(tma_atom, gKV, sK, sV)
-        if warp == 0 and union_size > 0:
-            page = block_table[request, union_block[0]]
-            self.load_tile(tma_atom, tKVg, tKs, full_k, page, 0, tx_bytes)
-            self.load_tile(tma_atom, tKVg, tVs, full_v, page, 1, tx_bytes)
+        if warp == 0:
+            for s in cutlass.range_constexpr(p.stages):
+                if s < union_size:
+                    page = block_table[request, union_block[s]]
+                    self.load_tile(tma_atom, tKVg, tKs, full_k, page, 0, s, tx_bytes)
+                    self.load_tile(tma_atom, tKVg, tVs, full_v, page, 1, s, tx_bytes)
 
-        # Q rows: row h + m g = token first + g, query head index_head * m + h; rows past the tile's tokens are zero.
-        thr_copy = row_copy.get_slice(tidx)
+        # Q rows, each warpgroup its own: row h + m g = token first + group_first_token + g, query head
+        # index_head * m + h; rows past the tile's tokens are zero.
+        thr_copy = row_copy.get_slice(wg_tidx)
         q_by_head = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 0, 2]))  # (Hq, T, D)
         gQ = cute.group_modes(
             cute.local_tile(
-                cute.domain_offset((index_head * m, first, 0), q_by_head),
-                (m, p.tokens_per_tile, p.head_dim),
+                cute.domain_offset((index_head * m, first + group_first_token, 0), q_by_head),
+                (m, p.tokens_per_warpgroup, p.head_dim),
                 (0, 0, 0),
             ),
             0,
             2,
         )
-        tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
+        sQ_group = sQ[None, None, group]
+        tQg, tQs = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ_group)
         tQc = thr_copy.partition_S(cute.make_identity_tensor((ROWS, p.head_dim)))
         for i in cutlass.range_constexpr(cute.size(tQs, mode=[1])):
-            if tQc[0, i, 0][0] // m < num_tokens:
+            if group_first_token + tQc[0, i, 0][0] // m < num_tokens:
                 cute.copy(row_copy, tQg[None, i, None], tQs[None, i, None])
             else:
                 tQs[None, i, None].fill(0)
@@ -290,9 +326,9 @@ class PrefillAttentionKernel:
         cute.arch.fence_view_async_shared()  # generic-proxy writes, then read by wgmma (async proxy)
         cute.arch.sync_threads()
 
-        thr_qk = mma_qk.get_slice(tidx)
-        thr_pv = mma_pv.get_slice(tidx)
-        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        thr_qk = mma_qk.get_slice(wg_tidx)
+        thr_pv = mma_pv.get_slice(wg_tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ_group))
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrVt = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((ROWS, p.head_dim)), f32)
@@ -308,7 +344,7 @@ class PrefillAttentionKernel:
         row_max.fill(-f32.inf)
         row_sum.fill(0.0)
         for r in cutlass.range_constexpr(rows):
-            row_token[r] = score_coords[r, 0][0] // m
+            row_token[r] = group_first_token + score_coords[r, 0][0] // m
             row_position[r] = -1
             if row_token[r] < num_tokens:
                 row_position[r] = token_position[first + row_token[r]]
@@ -317,21 +353,22 @@ class PrefillAttentionKernel:
         tVc = thr_copy.partition_D(cute.make_identity_tensor((p.block_size, p.head_dim)))
 
         for u in cutlass.range(union_size, unroll=1):
+            stage = u % p.stages
             block = union_block[u]
             tokens = union_tokens[u]
             first_key = block * p.block_size
-            phase = u % 2
-            cute.arch.mbarrier_wait(full_k, phase)
+            phase = (u // p.stages) % 2
+            cute.arch.mbarrier_wait(full_k + stage, phase)
 
-            # S = Q K^T over the head dim; then the K tile is free for the next block's
+            # S = Q K^T over the head dim; then the stage's K tile is free for the block `stages` later
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((ROWS, p.block_size)), f32)
-            warpgroup_gemm_nt(mma_qk, acc_s, tSrQ, tSrK, 0)
+            warpgroup_gemm_nt(mma_qk, acc_s, tSrQ, tSrK, stage)
             cute.arch.sync_threads()  # every warp's S is done
-            refill = warp == 0 and u + 1 < union_size
+            refill = warp == 0 and u + p.stages < union_size
             next_page = cutlass.Int32(0)
             if refill:
-                next_page = block_table[request, union_block[u + 1]]
-                self.load_tile(tma_atom, tKVg, tKs, full_k, next_page, 0, tx_bytes)
+                next_page = block_table[request, union_block[u + p.stages]]
+                self.load_tile(tma_atom, tKVg, tKs, full_k, next_page, 0, stage, tx_bytes)
 
             # Mask (block not selected by the row's token, keys after its position), online softmax.
             acc_s_mn = acc_rows_cols(acc_s)
@@ -351,35 +388,35 @@ class PrefillAttentionKernel:
                 online_softmax_row(acc_s_mn, acc_o_mn, row_max, row_sum, r, scale_log2)
             tOrP = probabilities(thr_pv, acc_s, ROWS, p.block_size)
 
-            # V rows past the request (its last page) are zeroed.
-            cute.arch.mbarrier_wait(full_v, phase)
+            # V rows past the request (its last page) are zeroed, by the first warpgroup.
+            cute.arch.mbarrier_wait(full_v + stage, phase)
             valid_keys = seq_len - first_key
-            if valid_keys < p.block_size:
-                zero_rows_past(thr_copy, sV[None, None, 0], tVc, valid_keys)
+            if valid_keys < p.block_size and group == 0:
+                zero_rows_past(thr_copy, sV[None, None, stage], tVc, valid_keys)
             cute.arch.sync_threads()
 
-            gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, 0])  # O += P V over the page's keys
-            cute.arch.sync_threads()  # every warp is done with the V tile: refill it
+            gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, stage])  # O += P V over the page's keys
+            cute.arch.sync_threads()  # every warp is done with this stage's V tile: refill it
             if refill:
-                self.load_tile(tma_atom, tKVg, tVs, full_v, next_page, 1, tx_bytes)
+                self.load_tile(tma_atom, tKVg, tVs, full_v, next_page, 1, stage, tx_bytes)
 
         # Epilogue: normalise and store the rows of the tile's tokens.
         for r in cutlass.range_constexpr(rows):
             total = quad_reduce(row_sum[r], lambda a, b: a + b)
             inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total)
-            if row_token[r] < num_tokens:
+            if row_token[r] < num_tokens and done != 0:
                 token = first + row_token[r]
                 head = index_head * m + out_coords[r, 0][0] % m
                 for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                     out[token, head, out_coords[r, c][1]] = (acc_o_mn[r, c] * inv).to(cutlass.BFloat16)
 
     @cute.jit
-    def load_tile(self, tma_atom, tKVg, tiles, full, page, kv: cutlass.Constexpr, tx_bytes: cutlass.Constexpr):
-        """TMA the K (kv 0) or V (kv 1) tile of `page` into the CTA's page `tiles`; arrival on the barrier `full`
-        (warp 0 calls)."""
+    def load_tile(self, tma_atom, tKVg, tiles, full, page, kv: cutlass.Constexpr, stage, tx_bytes: cutlass.Constexpr):
+        """TMA the K (kv 0) or V (kv 1) tile of `page` into `stage` of `tiles`; arrival on that stage's barrier of
+        `full` (warp 0 calls)."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(full, tx_bytes)
-        cute.copy(tma_atom, tKVg[None, kv, page], tiles[None, 0], tma_bar_ptr=full)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, tx_bytes)
+        cute.copy(tma_atom, tKVg[None, kv, page], tiles[None, stage], tma_bar_ptr=full + stage)
 
 
 def prefill_sparse_attention(
@@ -399,7 +436,13 @@ def prefill_sparse_attention(
     heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads)
     params = PrefillAttentionParams(*heads, shape.head_dim, selected.shape[-1], shape.block_size)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
+    handled = torch.empty((batch.num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
     compiled_kernel(PrefillAttentionKernel, params)(
-        *attention_inputs(q, kv_cache, batch, selected), batch.request_tiles(params.tokens_per_tile), result, scale
+        *attention_inputs(q, kv_cache, batch, selected),
+        batch.request_tiles(params.tokens_per_tile),
+        result,
+        handled,
+        params.candidates,  # no union bound: a tile's union has at most `candidates` blocks
+        scale,
     )
     return copy_into(result, out)
