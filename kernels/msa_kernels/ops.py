@@ -192,7 +192,7 @@ def _steps(
         prefill_attention = sparse_attn_prefill.prefill_sparse_attention
 
         def prefill_attention_bf16(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
-            return prefill_attention(q, kv_cache, batch, selected, shape, scale, out)  # bf16: no K/V scales
+            return prefill_attention(q, kv_cache, batch, selected, shape, scale, out, workspace)  # bf16: no K/V scales
 
         steps = steps._replace(attention=prefill_attention_bf16)
     elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):

@@ -44,6 +44,10 @@ class Workspace:
         """[splits, T, Hq] fp32: the decode attention's split-K log-sum-exps."""
         return self._tensor("split log-sum-exps", size, torch.float32)
 
+    def handled_rows(self, size: tuple[int, int]) -> torch.Tensor:
+        """[T, Hi] int32: the prefill attention's flags of the rows it wrote (every row: no union bound is passed)."""
+        return self._tensor("handled rows", size, torch.int32)
+
     def selection(self, size: tuple[int, int, int]) -> torch.Tensor:
         """[T, Hi, K] int32: a layer's selected blocks, which its attention reads (the step's workspace)."""
         return self._tensor("selection", size, torch.int32)

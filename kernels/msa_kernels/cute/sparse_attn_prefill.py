@@ -52,6 +52,7 @@ from msa_kernels.cute.warpgroup_attention import (
     transposed_pages,
     zero_rows_past,
 )
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 MAX_TILE_TOKENS = 16  # a tile's tokens are bits of an int32 set (1 << tokens stays defined)
@@ -427,16 +428,20 @@ def prefill_sparse_attention(
     shape: MSAShape,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on each
     request's tiles of consecutive tokens.
 
-    kv_cache must be contiguous; q and out may be strided views.
+    kv_cache must be contiguous; q and out may be strided views. workspace: where the kernel's handled flags go (the
+    step part's, reused by its next layer), else a new tensor.
     """
     heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads)
     params = PrefillAttentionParams(*heads, shape.head_dim, selected.shape[-1], shape.block_size)
     result = contiguous_out(out, q.shape, q.dtype, q.device)
-    handled = torch.empty((batch.num_tokens, shape.num_index_heads), dtype=torch.int32, device=q.device)
+    if workspace is None:
+        workspace = Workspace(q.device)
+    handled = workspace.handled_rows((batch.num_tokens, shape.num_index_heads))
     compiled_kernel(PrefillAttentionKernel, params)(
         *attention_inputs(q, kv_cache, batch, selected),
         batch.request_tiles(params.tokens_per_tile),
