@@ -16,4 +16,4 @@ for i in 1 2; do
 done
 stamp prefill_attention; bash dev/gpu/kernel_checks.sh prefill_attention; cp -r /tmp/kernel_checks "$OUT/bench"
 stamp sanitizers; bash dev/gpu/kernel_checks.sh memcheck+racecheck; cp -r /tmp/kernel_checks "$OUT/sanitize"
-stamp done
+stamp "done"
