@@ -285,6 +285,8 @@ def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launch
 
     case = launch_case(batch_name)
     fp8 = reference.fp8_kv_cache(case.kv_cache, (0.5, 2.0))
+    fp8_kv_kernels = ops.kernels(case.q.device, case.q.dtype, case.q.dtype, True, M3_SHAPE)
+    assert fp8_kv_kernels.steps(batch_name).attention is sparse_attn.sparse_attention
     selected = case.reference_selection()
     ops.sparse_attention(case.q, fp8, case.plan, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q))
     attention = [launch.params for launch in launches.launches if launch.kernel == "SparseAttentionKernel"]
@@ -700,6 +702,8 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     shape, case = attention_case(case_name, hq, hkv, hi, d)
     kv_scales = (0.37, 1.9)
     fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
+    fp8_kv_kernels = ops.kernels(case.q.device, case.q.dtype, case.q.dtype, True, shape)
+    assert fp8_kv_kernels.decode.attention is fp8_kv_kernels.prefill.attention is sparse_attn.sparse_attention
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
     got = ops.sparse_attention(case.q, fp8, case.plan, selected, shape, case.scale, out=out, kv_scales=kv_scales)

@@ -103,7 +103,7 @@ class Steps(NamedTuple):
     them into the part's workspace, which top-k consumes before the next call: a prefill part's, up to SCORE_BYTES,
     are freed after top-k);
     topk(scores, positions, shape, out);
-    attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace) on a contiguous K/V cache of
+    attention(q, kv_cache, batch, selected, shape, scale, out=, kv_scales=, workspace=) on a contiguous K/V cache of
     the chooser's kind (bf16 or FP8; a strided one runs the reference)."""
 
     index_scores: Callable
@@ -197,12 +197,7 @@ def _steps(
         steps = steps._replace(attention=prefill_attention_bf16)
     elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
         # decode tokens, and an FP8 K/V cache's prefill tokens (the prefill kernel reads bf16 pages only)
-        attention = sparse_attn.sparse_attention
-
-        def per_token_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
-            return attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales=kv_scales, workspace=workspace)
-
-        steps = steps._replace(attention=per_token_attention)
+        steps = steps._replace(attention=sparse_attn.sparse_attention)
     return steps
 
 
@@ -391,9 +386,9 @@ def sparse_attention(
             part.of(selected),
             shape,
             scale,
-            part.of(result),
-            kv_scales,
-            part.workspace,
+            out=part.of(result),
+            kv_scales=kv_scales,
+            workspace=part.workspace,
         )
     return result
 
