@@ -101,10 +101,9 @@ def num_sms(device_index: int) -> int:
 def block_scores_out(batch: PagedBatch, num_index_heads: int, workspace: Workspace | None) -> torch.Tensor:
     """Where an index-score launcher writes the block scores [T, Hi, max_blocks] fp32: the step part's workspace
     (for a caller that consumes them before its next call on the part, as top-k does), else a new tensor."""
-    size = (batch.num_tokens, num_index_heads, batch.block_table.shape[1])
-    if workspace is not None:
-        return workspace.block_scores(size)
-    return torch.empty(size, dtype=torch.float32, device=batch.block_table.device)
+    if workspace is None:
+        workspace = Workspace(batch.block_table.device)
+    return workspace.block_scores((batch.num_tokens, num_index_heads, batch.block_table.shape[1]))
 
 
 def contiguous_out(
