@@ -125,8 +125,15 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
     there too."""
 
     def __init__(
-        self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: "VllmConfig", device: torch.device
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list[str],
+        vllm_config: "VllmConfig",
+        device: torch.device,
+        **builder_kwargs: object,
     ) -> None:
+        """builder_kwargs: what vLLM 0.34 adds for builders that ask for it (block_table_width, for builders with
+        requires_block_table_width): FLASH_MSA reads the width from each step's block table and ignores it."""
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         compat.reorder_verification_with_decodes(self, SINGLE_TOKEN_DECODE_QUERY_LEN)
         compilation = vllm_config.compilation_config
@@ -150,8 +157,18 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         return AttentionCGSupport.NEVER
 
     def build(
-        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+        **model_kwargs: object,
     ) -> FlashMSAMetadata:
+        """model_kwargs: a model's own step metadata, which vLLM 0.34 passes to the builders of models that define
+        it (DeepSeek-V4's replay_start): none of FLASH_MSA's models does, so any is refused, naming it."""
+        if model_kwargs:
+            raise NotImplementedError(
+                f"FLASH_MSA's metadata builder takes no model step metadata: {sorted(model_kwargs)}"
+            )
         OBSERVER.before_step()  # runs every step, also before a step that replays a full CUDA graph
         m = common_attn_metadata
         batch = PagedBatch(
@@ -188,12 +205,16 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args: object,
     ) -> None:
+        """vLLM's Attention layer passes these ten positionally (0.32 and 0.34) and a model's extras by keyword
+        (attention sinks, FlexAttention's block sizes, ...): FLASH_MSA refuses any it is given, naming it."""
         unsupported = {
             "alibi_slopes": alibi_slopes,
             "sliding_window": sliding_window,
             "logits_soft_cap": logits_soft_cap,
             "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            **extra_impl_args,
         }
         named = [k for k, v in unsupported.items() if v is not None]
         if named or attn_type != AttentionType.DECODER:

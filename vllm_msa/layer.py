@@ -72,9 +72,10 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return FlashMSABackend
 
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """After the checkpoint's K/V scales were loaded (vLLM calls this after the layer's quant method): say at
-        start-up which scales an FP8 K/V cache is written with."""
+    def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
+        """After the checkpoint's K/V scales were loaded (vLLM calls this after the layer's quant method: 0.32
+        with the model's dtype, 0.34 with no argument; neither is needed): say at start-up which scales an FP8
+        K/V cache is written with."""
         if not self.fp8_kv:
             return
         k_scale, v_scale = layer_kv_scales(self)
