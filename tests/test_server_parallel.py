@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from tests.parallel import two_ranks
 from tests.serving import demo_server
 
 pytestmark = pytest.mark.slow
@@ -26,6 +27,7 @@ def _greedy_tokens(client: openai.OpenAI, prompt: list[int]) -> str:
     return completion.choices[0].text
 
 
+@two_ranks
 def test_server_with_tensor_parallel_2_answers_as_tensor_parallel_1(tmp_path):
     flags = ["--dtype", "float32", "--enforce-eager"]
     long_prompt = list(range(5, 2005))  # 2000 tokens: 16 blocks, each token reads 4 (sparse)
@@ -46,6 +48,7 @@ def test_server_with_tensor_parallel_2_answers_as_tensor_parallel_1(tmp_path):
     assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in log, log[-4000:]
 
 
+@two_ranks
 def test_server_with_data_parallel_2_gives_every_engine_the_same_tokens(tmp_path):
     flags = ["--data-parallel-size", "2", "--dtype", "float32", "--enforce-eager"]
     with demo_server(tmp_path, flags, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tests.parallel import two_ranks
 from tests.reference_model import ReferenceFlashMSA
 
 pytestmark = pytest.mark.slow
@@ -317,6 +318,7 @@ def assert_selections_counted_once(metrics, prompts, index_heads=4):
     assert metrics["vllm:msa_selections"] == computed * 3 * index_heads
 
 
+@two_ranks
 @pytest.mark.parametrize("layout", ["msa_tp2", "msa_pp2"])
 def test_tensor_and_pipeline_parallel_2_give_tp1s_greedy_tokens_and_metrics(layout, request, prompts, msa_tokens):
     first, second, metrics = request.getfixturevalue(layout)
@@ -325,6 +327,7 @@ def test_tensor_and_pipeline_parallel_2_give_tp1s_greedy_tokens_and_metrics(layo
     assert_selections_counted_once(metrics, prompts)
 
 
+@two_ranks
 def test_replicated_kv_and_index_heads_at_tp2_give_tp1s_greedy_tokens(replicated_model, prompts):
     tp1_first, tp1_second, _ = twice_with_metrics(replicated_model, prompts)
     first, second, metrics = twice_with_metrics(replicated_model, prompts, tensor_parallel_size=2)
