@@ -1,36 +1,67 @@
 #!/usr/bin/env bash
-# On the GPU machine, after `source dev/gpu/install_vllm.sh`: start the real
-# `vllm serve --attention-backend FLASH_MSA` on the demo MSA model (dev/gpu/start_server.sh: CUDA
-# graphs on, vLLM's defaults), send OpenAI requests, and keep the logs under $OUT (or /tmp/serve-smoke).
+# The serving smoke: the first thing to run on every GPU machine that gets the serving kit, after
+# `source dev/gpu/install_vllm.sh`. A change to vllm_msa/ is done only when this has passed on the GPU with it.
 #   bash dev/gpu/serve_smoke.sh [more `vllm serve` flags]
-# PRESET=m3-attention builds the model with MiniMax-M3's attention shapes and a 136K context;
-# PROMPTS lists the completion prompt lengths (default "16 2000 8000"; e.g. "16 8000 65536 131072").
-# A server that dev/gpu/start_server.sh started on PORT in an earlier call (its pid file names a live
-# process) is used as it is and left running; KEEP=1 also leaves a server started here running for later
-# calls. dev/gpu/wait_server.sh waits for either to answer /health.
+# 1. `vllm serve models/needle-msa --attention-backend FLASH_MSA` (the model serve/demo.sh serves; vLLM's defaults,
+#    CUDA graphs on: dev/gpu/start_server.sh) and, through dev/gpu/smoke_requests.py, a pass-key prompt by text on
+#    /v1/completions (the key must come back), the same prompt as a chat message (must be answered; the key is
+#    reported, not required: the model was never trained on the chat format), a bad request (must get a 400 that
+#    names the field, and the server must answer after it), completions of PROMPTS token lengths;
+# 2. the tiny MiniMax-M3 greedy test against vLLM's own M3 path (tests/test_minimax_m3.py -m gpu -k greedy).
+# Writes $OUT/serve_smoke.log (or /tmp/serve-smoke/): date, commit, GPU, vLLM, each check's PASS/FAIL, the server
+# log's start-up facts; the server log beside it. Exit status 0 only when every check passed. Copy the log into
+# results/smoke/ with the run.
+# COMMIT names the tree's commit where the tree has no .git (the device machine). A server that start_server.sh
+# started on PORT in an earlier call is used as it is and left running; KEEP=1 leaves one started here running.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 out=${OUT:-/tmp/serve-smoke}; mkdir -p "$out"
+log=$out/serve_smoke.log
 export PORT=${PORT:-8000} PROMPTS=${PROMPTS:-16 2000 8000}
+export MODEL=${MODEL:-models/needle-msa}
 pid_file=/tmp/gpu-server/serve-$PORT.pid
+failed=()
+{
+  echo "serve_smoke $(date -u '+%F %T') UTC, commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  echo "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  python3 -c 'import torch, vllm; print(f"vllm {vllm.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
+} | tee "$log"
+
 started_here=0
 if ! { [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; }; then
-  bash dev/gpu/start_server.sh "$@" || exit 1
+  bash dev/gpu/start_server.sh "$@" | tee -a "$log" || failed+=("start")
   started_here=1
 fi
-bash dev/gpu/wait_server.sh || { cp "/tmp/gpu-server/serve-$PORT.log" "$out/"; exit 1; }
-python3 - <<'PY' 2>&1 | tee "$out/requests.log"
-import json, os, time, urllib.request
-def post(path, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{os.environ['PORT']}" + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    t = time.time(); r = json.load(urllib.request.urlopen(req, timeout=600)); return r, time.time() - t
-for n in map(int, os.environ["PROMPTS"].split()):  # token ids cycle below the demo vocabulary (4096)
-    prompt = [5 + i % 4000 for i in range(n)]
-    r, dt = post("/v1/completions", {"model": "demo-msa", "prompt": prompt, "max_tokens": 32, "temperature": 0})
-    print(f"prompt {n} tokens: {r['usage']} in {dt:.2f} s: {r['choices'][0]['text'][:40]!r}")
-r, dt = post("/v1/chat/completions", {"model": "demo-msa", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
-print(f"chat: {r['usage']} in {dt:.2f} s")
-PY
-[ "$started_here" = 0 ] || [ "${KEEP:-0}" = 1 ] || kill "$(cat "$pid_file")"
-cp "/tmp/gpu-server/serve-$PORT.log" "$out/serve.log"
-grep -iE "error|traceback" "$out/serve.log" | head -10
+if bash dev/gpu/wait_server.sh >> "$log" 2>&1; then
+  python3 dev/gpu/smoke_requests.py 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("requests")
+else
+  failed+=("server start")
+  tail -40 "$log"
+fi
+if [ "$started_here" = 1 ] && [ "${KEEP:-0}" != 1 ]; then
+  kill "$(cat "$pid_file")" 2>/dev/null
+  sleep 5
+fi
+cp "/tmp/gpu-server/serve-$PORT.log" "$out/serve.log" 2>/dev/null
+if grep -E "Traceback| ERROR [0-9]" "$out/serve.log" > "$out/serve_errors.log" 2>/dev/null; then
+  echo "FAIL server log: errors (serve_errors.log):" | tee -a "$log"; head -5 "$out/serve_errors.log" | tee -a "$log"
+  failed+=("server log")
+fi
+
+echo "== tiny MiniMax-M3: greedy tokens against vLLM's own M3" | tee -a "$log"
+PYTHONPATH=$PWD:${PYTHONPATH:-} timeout "${M3_TIMEOUT:-900}" python3 -m pytest -q -rf --tb=short -m gpu -k greedy \
+  -p no:cacheprovider tests/test_minimax_m3.py -s > "$out/m3_greedy.log" 2>&1
+rc=$?
+grep -E "greedy tokens equal|passed|failed|skipped|Error" "$out/m3_greedy.log" | tail -4 | tee -a "$log"
+if [ "$rc" = 0 ] && grep -q "1 passed" "$out/m3_greedy.log"; then
+  echo "PASS tiny-M3 greedy test" | tee -a "$log"
+else
+  echo "FAIL tiny-M3 greedy test (rc $rc; m3_greedy.log)" | tee -a "$log"; failed+=("tiny-M3")
+fi
+
+if [ ${#failed[@]} = 0 ]; then
+  echo "serve_smoke: PASS" | tee -a "$log"
+else
+  echo "serve_smoke: FAIL (${failed[*]})" | tee -a "$log"; exit 1
+fi

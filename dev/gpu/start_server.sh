@@ -4,7 +4,8 @@
 # own process session, so it outlives this device call and serves the next calls while the machine
 # stays warm. Returns at once; dev/gpu/wait_server.sh waits for /health.
 #   PRESET=m3-attention PORT=8000 bash dev/gpu/start_server.sh [more `vllm serve` flags]
-# PRESET: default | m3-attention (MiniMax-M3's attention shapes, 136K context). Server log and pid:
+# PRESET: default | m3-attention (MiniMax-M3's attention shapes, 136K context); MODEL=DIR serves that checkpoint
+# instead (e.g. models/needle-msa, what serve/demo.sh serves). Server log and pid:
 # /tmp/gpu-server/serve-$PORT.log, serve-$PORT.pid.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,9 +13,11 @@ port=${PORT:-8000}; preset=${PRESET:-default}
 dir=/tmp/gpu-server; mkdir -p "$dir"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . > "$dir/plugin.log" 2>&1 \
   || { cat "$dir/plugin.log"; exit 1; }
-model=/tmp/demo-msa-$preset
-python3 serve/build_demo_model.py "$model" --preset "$preset" > "$dir/build-$preset.log" 2>&1 \
-  || { cat "$dir/build-$preset.log"; exit 1; }
+model=${MODEL:-/tmp/demo-msa-$preset}
+if [ -z "${MODEL:-}" ]; then
+  python3 serve/build_demo_model.py "$model" --preset "$preset" > "$dir/build-$preset.log" 2>&1 \
+    || { cat "$dir/build-$preset.log"; exit 1; }
+fi
 max_len=$(python3 -c "import json; print(json.load(open('$model/config.json'))['max_position_embeddings'])")
 setsid vllm serve "$model" --attention-backend FLASH_MSA --served-model-name demo-msa \
   --host 127.0.0.1 --port "$port" --max-model-len "$max_len" --gpu-memory-utilization "${GPU_MEM:-0.3}" "$@" \
