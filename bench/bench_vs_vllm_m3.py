@@ -5,6 +5,8 @@ paths' outputs checked against each other on every shape.
     # GPU machine, vLLM staged as dev/gpu/README.md describes:
     source dev/gpu/install_vllm.sh
     python3 -m bench.bench_vs_vllm_m3 --out $OUT/vs_vllm_m3
+    # or on the kernel kit alone (the image's torch and Triton), vLLM's two op files staged here
+    # (bash dev/gpu/stage_m3_ops.sh; carry .devkit-m3ops): bench/vllm_m3_ops.py; dense is then torch SDPA
     # issue 18's long-context table and its time-against-context plot (a side out of GPU memory: no row)
     python3 -m bench.bench_vs_vllm_m3 --contexts 131072 262144 524288 1048576 \
         --decode-batches 1 --out $OUT/long_context   # --dense-max-context N: dense extrapolated beyond N
@@ -24,7 +26,9 @@ every side reads:
   ours   msa_kernels.ops.msa_attention (CuTeDSL index scores, top-k and sparse attention on Hopper);
          parts: index = ops.select_blocks (index scores + top-k), attention = ops.sparse_attention.
   vLLM   the Triton ops that vLLM's MiniMaxM3SparseAttention runs off Blackwell
-         (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl), called as those impls call them:
+         (MiniMaxM3IndexerTritonImpl, MiniMaxM3SparseTritonImpl; from the installed vLLM, or vLLM 0.34's files
+         staged beside the kernel kit: bench/vllm_m3_ops.py, whose source the header names), called as those
+         impls call them:
            decode   common/ops/index_topk.minimax_m3_index_decode -> sparse_attn.minimax_m3_sparse_attn_decode
            prefill  index_topk.minimax_m3_index_score + minimax_m3_index_topk -> sparse_attn.minimax_m3_sparse_attn
          on M3's cache layouts filled from the same pages: K/V [pages, Hkv, 128, 2D] (K = [..., :D],
@@ -71,8 +75,6 @@ on 2 CPU cores (the interpreter's top-k takes ~0.1 s per token and head), so not
 """
 
 import argparse
-import importlib.metadata
-import importlib.util
 import math
 import os
 import sys
@@ -84,6 +86,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import vllm_m3_ops
 from bench.bench_sparse_attention import dense_attention as sdpa_attention
 from bench.problems import CONTEXTS, DECODE_BATCHES, M3_SHAPE
 from bench.timing import ceilings, graph_timed, timed
@@ -175,12 +178,9 @@ class Row:
 
 
 def require_environment(smoke: bool) -> None:
-    if importlib.util.find_spec("vllm") is None:
-        raise SystemExit(
-            "bench_vs_vllm_m3: vLLM is not importable: install vLLM 0.34 (on the GPU machine: "
-            "source dev/gpu/install_vllm.sh, see dev/gpu/README.md)"
-        )
     if smoke:
+        if not vllm_m3_ops.installed():
+            raise SystemExit("bench_vs_vllm_m3 --smoke: vLLM is not importable (the CPU check runs in .venv)")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_vs_vllm_m3: no CUDA device: run it on the GPU machine, or --smoke for the CPU check")
@@ -254,35 +254,6 @@ def our_steps(case: PagedCase) -> Steps:
     return Steps(index, attention, layer)
 
 
-@cache
-def vllm_m3_ops(interpret: bool):
-    """vLLM's M3 Triton op modules (common/ops/index_topk.py, sparse_attn.py).
-
-    interpret (--smoke): Triton's interpreter on the CPU. vLLM disables Triton without a GPU and its
-    M3 package imports CUDA-only code, so the two files are loaded on their own with real Triton, as
-    tests/test_minimax_m3.py does, each autotuned kernel keeping one config (the interpreter cannot
-    benchmark).
-    """
-    if not interpret:
-        from vllm.models.minimax_m3.common.ops import index_topk, sparse_attn
-
-        return index_topk, sparse_attn
-    import triton
-    import vllm
-    import vllm.triton_utils
-
-    vllm.triton_utils.triton, vllm.triton_utils.tl = triton, triton.language
-    modules = []
-    for name in ("index_topk", "sparse_attn"):
-        path = Path(vllm.__file__).parent / "models/minimax_m3/common/ops" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"vllm_m3_{name}_interpreted", path)
-        modules.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(modules[-1])
-    for kernel in (modules[0]._topk_index_kernel, modules[0]._topk_index_partial_kernel):
-        kernel.fn.configs = [min(kernel.fn.configs, key=lambda c: c.kwargs["BLOCK_SIZE_K"])]
-    return tuple(modules)
-
-
 def vllm_caches(case: PagedCase, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """M3's main K/V cache (logical [pages, Hkv, B, 2D] over NHD storage [pages, B, Hkv, 2D], as
     MiniMaxM3SparseBackend's shape and stride order give it) and index-key cache [pages, B, Dp]."""
@@ -292,7 +263,7 @@ def vllm_caches(case: PagedCase, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def vllm_steps(case: PagedCase, interpret: bool) -> Steps:
     """vLLM's M3 Triton path as MiniMaxM3IndexerTritonImpl and MiniMaxM3SparseTritonImpl run it."""
-    index_topk, sparse_attn = vllm_m3_ops(interpret)
+    index_topk, sparse_attn = vllm_m3_ops.m3_ops(interpret)
     shape, batch = case.shape, case.batch
     assert shape.num_index_heads == shape.num_kv_heads and shape.num_index_key_heads == 1, "M3's index layout"
     dtype = torch.float32 if interpret else case.q.dtype
@@ -715,7 +686,7 @@ def main(argv=None) -> int:
         plan = replace(plan, prefill_contexts=tuple(args.prefill_contexts))
     if args.decode_batches:
         plan = replace(plan, decode_batches=tuple(args.decode_batches))
-    versions = f"vLLM {importlib.metadata.version('vllm')}, torch {torch.__version__}"
+    versions = vllm_m3_ops.source()
     if args.smoke:
         ceiling = None
         header = f"# ours vs vLLM M3 Triton vs dense: --smoke (CPU, Triton interpreter, not timed; {versions})"
