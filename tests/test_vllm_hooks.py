@@ -55,6 +55,8 @@ def plugin(demo_model):
         spec=spec,
         builder_cls=builder_cls,
         builder=builder_cls(spec, [layer.layer_name], vllm_config, torch.device("cpu")),
+        index_spec=layer.index_key_cache.get_kv_cache_spec(vllm_config),
+        index_builder_cls=layer.index_key_cache.get_attn_backend().get_builder_cls(),
         impl_cls=FlashMSAImpl,
         backend=FlashMSABackend,
     )
@@ -184,6 +186,28 @@ CALLS = [
         "both",
         "worker/utils.py:348 build(common_prefix_len, common_attn_metadata, **model_kwargs) (none for our models)",
         lambda p: p.builder.build(0, common_metadata()),
+    ),
+    (
+        "IndexKeyMetadataBuilder.__init__",
+        ARGS_0_34,
+        "worker/utils.py:331 with builder_kwargs {'block_table_width': W}",
+        lambda p: p.index_builder_cls(
+            p.index_spec, [p.index_key_cache.prefix], p.vllm_config, torch.device("cpu"), block_table_width=3
+        ),
+    ),
+    (
+        "IndexKeyMetadataBuilder.get_cudagraph_support",
+        "both",
+        "worker/gpu/attn_utils.py:337 builder.get_cudagraph_support(vllm_config, kv_cache_spec)",
+        lambda p: p.index_builder_cls.get_cudagraph_support(p.vllm_config, p.index_spec),
+    ),
+    (
+        "IndexKeyMetadataBuilder.build",
+        "both",
+        "worker/utils.py:348 build(common_prefix_len, common_attn_metadata, **model_kwargs) (none for our models)",
+        lambda p: p.index_builder_cls(
+            p.index_spec, [p.index_key_cache.prefix], p.vllm_config, torch.device("cpu")
+        ).build(0, common_metadata()),
     ),
     (
         "FlashMSAMetadataBuilder.build_for_cudagraph_capture",

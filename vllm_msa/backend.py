@@ -163,12 +163,7 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         fast_build: bool = False,
         **model_kwargs: object,
     ) -> FlashMSAMetadata:
-        """model_kwargs: a model's own step metadata, which vLLM 0.34 passes to the builders of models that define
-        it (DeepSeek-V4's replay_start): none of FLASH_MSA's models does, so any is refused, naming it."""
-        if model_kwargs:
-            raise NotImplementedError(
-                f"FLASH_MSA's metadata builder takes no model step metadata: {sorted(model_kwargs)}"
-            )
+        refuse_model_step_metadata(model_kwargs)
         OBSERVER.before_step()  # runs every step, also before a step that replays a full CUDA graph
         m = common_attn_metadata
         batch = PagedBatch(
@@ -332,22 +327,22 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         kv_cache: torch.Tensor,
         index_key_cache: torch.Tensor | Fp8IndexKeyCache,
         attn_metadata: FlashMSAMetadata,
-        index_metadata: FlashMSAMetadata,
+        index_slots: torch.Tensor,
     ) -> None:
-        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (an FP8 K/V cache with the
-        layer's K/V scales, index keys quantised for an FP8 cache)."""
+        """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (index_slots: the
+        index-key cache's; an FP8 K/V cache with the layer's K/V scales, index keys quantised for an FP8 cache)."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
-        write_index_keys(index_key_cache, index_metadata.slot_mapping, index_key, self.shape)
+        write_index_keys(index_key_cache, index_slots, index_key, self.shape)
 
     def select(
         self,
         index_query: torch.Tensor,
         index_key_cache: torch.Tensor | Fp8IndexKeyCache,
-        index_metadata: FlashMSAMetadata,
+        attn_metadata: FlashMSAMetadata,
     ) -> torch.Tensor:
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
-        n, plan = index_metadata.num_actual_tokens, index_metadata.plan
+        n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
         selected = ops.layer_selection(plan, self.shape)  # the observer consumes it before the next layer's call
         return ops.select_blocks(index_query[:n], index_key_cache, plan, self.shape, out=selected)
 
@@ -368,6 +363,13 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         ops.sparse_attention(
             query[:n], kv_cache, plan, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
         )
+
+
+def refuse_model_step_metadata(model_kwargs: dict[str, object]) -> None:
+    """A FLASH_MSA builder's build takes no model step metadata, which vLLM 0.34 passes by keyword to the builders of
+    models that define it (DeepSeek-V4's replay_start): none of FLASH_MSA's models does, so any is refused by name."""
+    if model_kwargs:
+        raise NotImplementedError(f"FLASH_MSA's metadata builders take no model step metadata: {sorted(model_kwargs)}")
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadata, MSAImpl, layer_kv_scales
 from vllm_msa.config import FP8_CACHE_DTYPES, MSAConfigError, RankLayout
-from vllm_msa.index_key_cache import IndexKeyCache
+from vllm_msa.index_key_cache import IndexKeyCache, IndexKeyMetadata
 from vllm_msa.observer import OBSERVER
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             return
         s, impl = self.shape, self.impl
         metadata = cast(FlashMSAMetadata, attn_metadata[self.layer_name])
-        index_metadata = cast(FlashMSAMetadata, attn_metadata[self.index_key_cache.prefix])
+        index_slots = cast(IndexKeyMetadata, attn_metadata[self.index_key_cache.prefix]).slot_mapping
         index_key_cache = self.index_key_cache.pages()
         step = OBSERVER.layer_step(self.layer_name, q.device)
         key, value = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
@@ -133,12 +133,12 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             self.kv_cache,
             index_key_cache,
             metadata,
-            index_metadata,
+            index_slots,
         )
         if self.fp8_kv:
             step.count_saturated(key, value, metadata, layer_kv_scales(self))
         step.mark()  # the selection starts
-        selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, index_metadata)
+        selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, metadata)
         step.mark()  # the attention starts
         impl.attend(
             self,
