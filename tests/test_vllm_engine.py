@@ -272,7 +272,9 @@ def test_small_k_is_sparse_and_matches_the_reference_model(demo_model, prompts, 
 
 def test_a_step_plans_once_for_every_msa_layer(msa_plain_tokens):
     """Each step's batch is planned once for the MSA layers (FlashMSAMetadataBuilder); the index-key caches' builder
-    gives their slot mapping alone, once. (The dense layer 0 is vLLM's own attention group: CPU_ATTN here.)"""
+    gives their slot mapping alone, once. Both get the same CommonAttentionMetadata, so they are one KV cache group
+    (one block table), which the MSA layer relies on to read index keys through its own plan. (The dense layer 0 is
+    vLLM's own attention group: CPU_ATTN here.)"""
     *_, step_builds = msa_plain_tokens
     assert step_builds, "no step built metadata"
     for builds in step_builds:
