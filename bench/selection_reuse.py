@@ -1,0 +1,131 @@
+"""How much of a decode step's K/V the step before already read: the number that decides a host tier for K/V (issue 50).
+
+    python -m bench.selection_reuse runs/trained-selections.pt [--from 0.5] [--capacities 1 2 4 8] [--out FILE.md]
+
+Reads training/trained_selections.py's file (the trained pass-key model's top-k per token and index head on pass-key
+prompts of each context) and treats consecutive positions as consecutive decode steps of one request (position t
+selects as the t-th decode step would: its own block forced, every earlier block visible). For the positions from
+--from x context to the end (long context):
+
+  head reuse   per index head, the share of a step's k blocks that the same head selected the step before;
+  page reuse   the K/V pages the step reads (a page holds every KV head of its block, so the union of the index
+               heads' blocks) found among the pages the step before read;
+  LRU hit rate a per-request GPU hot set of C x (Hi x k) pages (the most a step can read), least recently used
+               out: the share of a step's pages already in it, and the pages a step copies in from host memory
+               (misses), mean and p99; a hot set as large as the context (its pages in the first column) always hits;
+
+each beside the same numbers for independent random block scores at the same shape (what no trained index head
+would do: the worst case). CPU only, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from msa_kernels.reference import topk_blocks
+from msa_kernels.shapes import MSAShape
+
+
+def step_pages(selected: torch.Tensor) -> list[set[int]]:
+    """The pages each position reads: the union of its index heads' selected blocks (-1 = none)."""
+    return [set(row[row >= 0].tolist()) for row in selected.flatten(1)]
+
+
+def head_reuse(selected: torch.Tensor, start: int) -> float:
+    """Mean share of a position's blocks, per index head, that the head selected at the position before."""
+    shares = []
+    for t in range(max(start, 1), selected.shape[0]):
+        for h in range(selected.shape[1]):
+            now, before = selected[t, h], selected[t - 1, h]
+            now = set(now[now >= 0].tolist())
+            shares.append(len(now & set(before[before >= 0].tolist())) / len(now))
+    return float(np.mean(shares))
+
+
+def page_reuse(pages: list[set[int]], start: int) -> float:
+    return float(np.mean([len(pages[t] & pages[t - 1]) / len(pages[t]) for t in range(max(start, 1), len(pages))]))
+
+
+def lru(pages: list[set[int]], start: int, capacity: int) -> tuple[float, float, float]:
+    """(hit rate, mean misses per step, p99 misses per step) of an LRU hot set of `capacity` pages, warmed on the
+    positions before `start`."""
+    hot: OrderedDict[int, None] = OrderedDict()
+    hits = requests = 0
+    misses = []
+    for t, step in enumerate(pages):
+        missed = 0
+        for page in step:
+            if page in hot:
+                hot.move_to_end(page)
+                hits += t >= start
+            else:
+                missed += 1
+                hot[page] = None
+        while len(hot) > capacity:
+            hot.popitem(last=False)
+        if t >= start:
+            requests += len(step)
+            misses.append(missed)
+    return hits / requests, float(np.mean(misses)), float(np.percentile(misses, 99))
+
+
+def random_like(selected: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The top-k of independent normal block scores at the selection's shape."""
+    context, heads, k = selected.shape
+    shape = MSAShape(heads, heads, 1, heads, 1, 1, k, block_size=block_size)
+    scores = torch.randn(context, heads, -(-context // block_size), generator=torch.Generator().manual_seed(0))
+    return topk_blocks(scores, torch.arange(context), shape)
+
+
+def report(selections: dict[int, torch.Tensor], start_fraction: float, capacities: list[int], block_size: int) -> str:
+    lines = [
+        "| context (pages) | selections | head reuse | page reuse | "
+        + " | ".join(f"LRU {c}x: hit, misses mean / p99" for c in capacities)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(capacities),
+    ]
+    for context, trained in sorted(selections.items()):
+        start = int(context * start_fraction)
+        context_pages = -(-context // block_size)
+        for name, selected in (("trained", trained.int()), ("random", random_like(trained, block_size))):
+            pages = step_pages(selected)
+            per_step = selected.shape[1] * selected.shape[2]
+            cells = []
+            for c in capacities:
+                hit, mean_misses, p99 = lru(pages, start, c * per_step)
+                cells.append(f"{hit:.2f}, {mean_misses:.1f} / {p99:.0f}")
+            reuse = f"{head_reuse(selected, start):.2f} | {page_reuse(pages, start):.2f}"
+            lines.append(f"| {context} ({context_pages}) | {name} | {reuse} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("selections", type=Path, help="training/trained_selections.py's output")
+    parser.add_argument("--from", dest="start", type=float, default=0.5, help="first position, x context")
+    parser.add_argument("--capacities", type=int, nargs="+", default=[1, 2, 4, 8], help="hot set, x (Hi x k) pages")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--out", type=Path, help="write the table (markdown) here too")
+    args = parser.parse_args(argv)
+    saved = torch.load(args.selections)
+    selections = {int(c): s for c, s in saved["contexts"].items()}
+    print(
+        f"{args.selections}: {saved['model']}, MSA layer {saved['layer']}, top-{saved['topk']}, key at depth "
+        f"{saved['depth']}; positions from {args.start:g} x context",
+        flush=True,
+    )
+    table = report(selections, args.start, args.capacities, args.block_size)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
