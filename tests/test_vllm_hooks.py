@@ -172,7 +172,8 @@ CALLS = [
     (
         "FlashMSAMetadataBuilder.__init__",
         ARGS_0_34,
-        "worker/utils.py:331 with builder_kwargs {'block_table_width': W} (a kernel block size vLLM chose)",
+        "worker/utils.py:331 with builder_kwargs {'block_table_width': W}: what 0.34 passes a builder that asks for it "
+        "(requires_block_table_width; ours do not): a keyword of this kind must not stop the start",
         lambda p: p.builder_cls(p.spec, [p.layer.layer_name], p.vllm_config, torch.device("cpu"), block_table_width=3),
     ),
     (
@@ -190,7 +191,7 @@ CALLS = [
     (
         "IndexKeyMetadataBuilder.__init__",
         ARGS_0_34,
-        "worker/utils.py:331 with builder_kwargs {'block_table_width': W}",
+        "worker/utils.py:331 with builder_kwargs {'block_table_width': W} (as for FlashMSAMetadataBuilder)",
         lambda p: p.index_builder_cls(
             p.index_spec, [p.index_key_cache.prefix], p.vllm_config, torch.device("cpu"), block_table_width=3
         ),

@@ -27,8 +27,9 @@ K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page 
 """
 
 import functools
+from abc import abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 from vllm.logger import init_logger
@@ -114,15 +115,15 @@ class FlashMSAMetadata(AttentionMetadata):
     request_keys: list[int] | None = None  # per request row, its key in the selection log (None: the row itself)
 
 
-class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
-    """Any mix of decode, speculative verification, prefill and chunked prefill. vLLM orders each step's
-    requests with the decode requests first: one new token, or under speculative decoding up to 1 +
-    num_speculative_tokens (reorder_batch_threshold, raised by vLLM as for its own M3 backend). build
-    plans the step there once (StepPlan.of), so every layer of the step runs the decode kernels on the decode
-    part and the prefill kernels on the prefill part (kernels/msa_kernels/ops.py). The
-    decode kernels run every token on its own, causal by its position, so unlike vLLM's M3 the decode part
-    need not be uniform: requests whose drafter proposed fewer tokens, and short chunks of a prompt, run
-    there too."""
+StepMetadata = TypeVar("StepMetadata", bound=AttentionMetadata)
+
+
+class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
+    """What FLASH_MSA's metadata builders share: vLLM's calls of a builder's constructor and build, with the keywords
+    vLLM passes some builders. The constructor ignores vLLM 0.34's builder keywords (block_table_width, for builders
+    that ask for it): FLASH_MSA reads the width from each step's block table. build refuses a model's own step
+    metadata (vLLM 0.34 passes it by keyword to the builders of models that define it, DeepSeek-V4's replay_start;
+    none of FLASH_MSA's models does) by name, then builds the step's metadata (step_metadata)."""
 
     def __init__(
         self,
@@ -132,17 +133,48 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
         device: torch.device,
         **builder_kwargs: object,
     ) -> None:
-        """builder_kwargs: what vLLM 0.34 adds for builders that ask for it (block_table_width, for builders with
-        requires_block_table_width): FLASH_MSA reads the width from each step's block table and ignores it."""
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.configure()
+
+    def configure(self) -> None:
+        """A builder's own set-up, once vLLM's attributes (vllm_config, device, ...) are set."""
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+        **model_kwargs: object,
+    ) -> StepMetadata:
+        if model_kwargs:
+            raise NotImplementedError(
+                f"FLASH_MSA's metadata builders take no model step metadata: {sorted(model_kwargs)}"
+            )
+        return self.step_metadata(common_attn_metadata)
+
+    @abstractmethod
+    def step_metadata(self, m: CommonAttentionMetadata) -> StepMetadata: ...
+
+
+class FlashMSAMetadataBuilder(StepMetadataBuilder[FlashMSAMetadata]):
+    """Any mix of decode, speculative verification, prefill and chunked prefill. vLLM orders each step's
+    requests with the decode requests first: one new token, or under speculative decoding up to 1 +
+    num_speculative_tokens (reorder_batch_threshold, raised by vLLM as for its own M3 backend). build
+    plans the step there once (StepPlan.of), so every layer of the step runs the decode kernels on the decode
+    part and the prefill kernels on the prefill part (kernels/msa_kernels/ops.py). The
+    decode kernels run every token on its own, causal by its position, so unlike vLLM's M3 the decode part
+    need not be uniform: requests whose drafter proposed fewer tokens, and short chunks of a prompt, run
+    there too."""
+
+    def configure(self) -> None:
         compat.reorder_verification_with_decodes(self, SINGLE_TOKEN_DECODE_QUERY_LEN)
-        compilation = vllm_config.compilation_config
+        compilation = self.vllm_config.compilation_config
         # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
         # replay, since a graph keeps the split count of its capture.
         self._graph_batch_limit = (
             compilation.max_cudagraph_capture_size or 0 if compilation.cudagraph_mode.has_full_cudagraphs() else 0
         )
-        self._graph_num_splits = vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
+        self._graph_num_splits = self.vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
@@ -156,16 +188,8 @@ class FlashMSAMetadataBuilder(AttentionMetadataBuilder[FlashMSAMetadata]):
             return AttentionCGSupport.UNIFORM_BATCH
         return AttentionCGSupport.NEVER
 
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-        **model_kwargs: object,
-    ) -> FlashMSAMetadata:
-        refuse_model_step_metadata(model_kwargs)
+    def step_metadata(self, m: CommonAttentionMetadata) -> FlashMSAMetadata:
         OBSERVER.before_step()  # runs every step, also before a step that replays a full CUDA graph
-        m = common_attn_metadata
         batch = PagedBatch(
             query_start_loc=m.query_start_loc[: m.num_reqs + 1],
             seq_lens=m.seq_lens[: m.num_reqs],
@@ -363,13 +387,6 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         ops.sparse_attention(
             query[:n], kv_cache, plan, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
         )
-
-
-def refuse_model_step_metadata(model_kwargs: dict[str, object]) -> None:
-    """A FLASH_MSA builder's build takes no model step metadata, which vLLM 0.34 passes by keyword to the builders of
-    models that define it (DeepSeek-V4's replay_start): none of FLASH_MSA's models does, so any is refused by name."""
-    if model_kwargs:
-        raise NotImplementedError(f"FLASH_MSA's metadata builders take no model step metadata: {sorted(model_kwargs)}")
 
 
 @functools.cache

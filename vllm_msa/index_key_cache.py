@@ -10,7 +10,7 @@ its KV cache by counts those bytes.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NoReturn
+from typing import ClassVar, NoReturn
 
 import torch
 from torch import nn
@@ -19,17 +19,13 @@ from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionMetadata,
-    AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
 from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec, MLAAttentionSpec
 
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes
 from vllm_msa import compat
-from vllm_msa.backend import FlashMSABackend, refuse_model_step_metadata
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from vllm_msa.backend import FlashMSABackend, StepMetadataBuilder
 
 
 @dataclass
@@ -37,33 +33,14 @@ class IndexKeyMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slots, -1 = padding
 
 
-class IndexKeyMetadataBuilder(AttentionMetadataBuilder[IndexKeyMetadata]):
+class IndexKeyMetadataBuilder(StepMetadataBuilder[IndexKeyMetadata]):
     """The index-key caches' step metadata: their slot mapping alone. The step's plan (decode and prefill parts,
     workspaces) is the MSA layers' (FlashMSAMetadataBuilder), built once: the caches share their layers' KV cache
     group, so their pages, block table and slots. Records nothing a CUDA graph could hold stale."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
-    def __init__(
-        self,
-        kv_cache_spec: KVCacheSpec,
-        layer_names: list[str],
-        vllm_config: "VllmConfig",
-        device: torch.device,
-        **builder_kwargs: object,
-    ) -> None:
-        """builder_kwargs: vLLM 0.34's for builders that ask for them (block_table_width): unused."""
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-        **model_kwargs: object,
-    ) -> IndexKeyMetadata:
-        refuse_model_step_metadata(model_kwargs)
-        m = common_attn_metadata
+    def step_metadata(self, m: CommonAttentionMetadata) -> IndexKeyMetadata:
         return IndexKeyMetadata(slot_mapping=m.slot_mapping[: m.num_actual_tokens])
 
 
