@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from msa_kernels.reference import topk_blocks
 from msa_kernels.shapes import MSAShape
+from training.trained_selections import random_selection
 
 
 def step_pages(selected: torch.Tensor) -> list[set[int]]:
@@ -75,11 +75,11 @@ def lru(pages: list[set[int]], start: int, capacity: int) -> tuple[float, float,
 
 
 def random_like(selected: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The top-k of independent normal block scores at the selection's shape."""
+    """trained_selections' random selection (the top-k of independent normal block scores) at the selection's shape,
+    from a fixed seed."""
     context, heads, k = selected.shape
-    shape = MSAShape(heads, heads, 1, heads, 1, 1, k, block_size=block_size)
-    scores = torch.randn(context, heads, -(-context // block_size), generator=torch.Generator().manual_seed(0))
-    return topk_blocks(scores, torch.arange(context), shape)
+    torch.manual_seed(0)
+    return random_selection(context, MSAShape(heads, heads, 1, heads, 1, 1, k, block_size=block_size))
 
 
 def report(selections: dict[int, torch.Tensor], start_fraction: float, capacities: list[int], block_size: int) -> str:

@@ -5,7 +5,7 @@ benchmark, from one of three places:
   staged     the two files as vLLM 0.34.0's wheel ships them, staged beside the kernel kit by
              `bash dev/gpu/stage_m3_ops.sh` (into .devkit-m3ops/, carried to the GPU machine), where no vLLM is
              installed: loaded on the image's torch and Triton, with stand-ins for the vLLM helpers they import
-             (STAND_INS: `current_platform`'s CUDA capability checks as vLLM's CUDA platform answers them,
+             (_stand_ins: `current_platform`'s CUDA capability checks as vLLM's CUDA platform answers them,
              `triton_utils`' triton and tl, `math_utils.round_up`). The kernel kit then runs the peer bench.
   interpret  (bench_vs_vllm_m3 --smoke, CPU) the installed vLLM's two files loaded on their own for Triton's
              interpreter: vLLM disables Triton without a GPU and its M3 package imports CUDA-only code.

@@ -74,39 +74,39 @@ if [ "$(cat "$kit/KEY" 2>/dev/null)" = "$key" ] && (cd "$kit" && cat part* | sha
   step "kept: .devkit-vllm/ was made from this lock, kit.py and script (KEY $key)"
   n=$(find "$kit" -maxdepth 1 -name 'part*' | wc -l)
 else
-grep -o '^[^# ]*' "$lock" > "$work/pins.txt"
-step "downloading the wheels pinned in dev/gpu/vllm-gpu.lock that .devkit-vllm-cache/ lacks (of $(wc -l < "$work/pins.txt"))"
-# Three pip processes side by side (each fetches one wheel at a time), into the cache.
-split -n l/3 "$work/pins.txt" "$work/pins."
-for part in "$work"/pins.a?; do
-  python3 -m pip download -q --no-deps "${plat[@]}" -d "$cache" -r "$part" 2> >(grep -v 'is ignored: it is neither' >&2) &
-done
-wait
-mkdir -p "$work/dl"
-while read -r pin; do  # the pinned wheels only: the cache may hold other versions from an older lock
-  name=$(echo "${pin%%==*}" | tr '.-' '__'); version=${pin#*==}
-  found=$(find "$cache" -maxdepth 1 -iname "${name}-${version}-*.whl" | head -1)
-  [ -n "$found" ] || { echo "stage_vllm: no wheel of $pin in $cache" >&2; exit 1; }
-  ln -s "$found" "$work/dl/"
-done < "$work/pins.txt"
-# The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like the GPU image's CUDA 13.
-unzip -p "$work"/dl/vllm-$vllm_version-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
-readelf -d "$work/c.so" | grep -q 'libcudart.so.13' \
-  || { echo "stage_vllm: vllm's _C_stable_libtorch does not link libcudart.so.13: not the CUDA 13 build" >&2; exit 1; }
-unzip -p "$work"/dl/vllm-$vllm_version-*.whl '*.dist-info/METADATA' | grep -qx "Requires-Dist: torch==$torch_version" \
-  || { echo "stage_vllm: the vllm wheel does not pin torch==$torch_version" >&2; exit 1; }
-rm "$work/c.so"
-step "$(du -smL "$work/dl" | cut -f1) MB of wheels; rewriting them uncompressed"
-python3 "$here/kit.py" repack "$work/dl" "$work/kit" "${keep_fa2[@]}"
-step "packing $(du -sm "$work/kit" | cut -f1) MB of stored wheels with xz -3 on $(nproc) cores (minutes)"
-rm -rf "$kit" && mkdir -p "$kit"
-(cd "$work/kit" && tar cf - --sort=name -- *.whl) | xz -T0 -3 > "$work/kit.tar.xz"
-rm -rf "$work/kit"
-(cd "$kit" && split -b 48M -d -a 2 "$work/kit.tar.xz" part)
-n=$(find "$kit" -maxdepth 1 -name 'part*' | wc -l)
-echo "$(sha256sum < "$work/kit.tar.xz" | cut -d' ' -f1) $n" > "$kit/SHA256"
-echo "$key" > "$kit/KEY"
-step "packed $(du -sm "$work/kit.tar.xz" | cut -f1) MB in $n parts"
+  grep -o '^[^# ]*' "$lock" > "$work/pins.txt"
+  step "downloading the wheels pinned in dev/gpu/vllm-gpu.lock that .devkit-vllm-cache/ lacks (of $(wc -l < "$work/pins.txt"))"
+  # Three pip processes side by side (each fetches one wheel at a time), into the cache.
+  split -n l/3 "$work/pins.txt" "$work/pins."
+  for part in "$work"/pins.a?; do
+    python3 -m pip download -q --no-deps "${plat[@]}" -d "$cache" -r "$part" 2> >(grep -v 'is ignored: it is neither' >&2) &
+  done
+  wait
+  mkdir -p "$work/dl"
+  while read -r pin; do  # the pinned wheels only: the cache may hold other versions from an older lock
+    name=$(echo "${pin%%==*}" | tr '.-' '__'); version=${pin#*==}
+    found=$(find "$cache" -maxdepth 1 -iname "${name}-${version}-*.whl" | head -1)
+    [ -n "$found" ] || { echo "stage_vllm: no wheel of $pin in $cache" >&2; exit 1; }
+    ln -s "$found" "$work/dl/"
+  done < "$work/pins.txt"
+  # The CUDA build check: vLLM's extensions must link CUDA 13's runtime, like the GPU image's CUDA 13.
+  unzip -p "$work"/dl/vllm-$vllm_version-*.whl vllm/_C_stable_libtorch.abi3.so > "$work/c.so"
+  readelf -d "$work/c.so" | grep -q 'libcudart.so.13' \
+    || { echo "stage_vllm: vllm's _C_stable_libtorch does not link libcudart.so.13: not the CUDA 13 build" >&2; exit 1; }
+  unzip -p "$work"/dl/vllm-$vllm_version-*.whl '*.dist-info/METADATA' | grep -qx "Requires-Dist: torch==$torch_version" \
+    || { echo "stage_vllm: the vllm wheel does not pin torch==$torch_version" >&2; exit 1; }
+  rm "$work/c.so"
+  step "$(du -smL "$work/dl" | cut -f1) MB of wheels; rewriting them uncompressed"
+  python3 "$here/kit.py" repack "$work/dl" "$work/kit" "${keep_fa2[@]}"
+  step "packing $(du -sm "$work/kit" | cut -f1) MB of stored wheels with xz -3 on $(nproc) cores (minutes)"
+  rm -rf "$kit" && mkdir -p "$kit"
+  (cd "$work/kit" && tar cf - --sort=name -- *.whl) | xz -T0 -3 > "$work/kit.tar.xz"
+  rm -rf "$work/kit"
+  (cd "$kit" && split -b 48M -d -a 2 "$work/kit.tar.xz" part)
+  n=$(find "$kit" -maxdepth 1 -name 'part*' | wc -l)
+  echo "$(sha256sum < "$work/kit.tar.xz" | cut -d' ' -f1) $n" > "$kit/SHA256"
+  echo "$key" > "$kit/KEY"
+  step "packed $(du -sm "$work/kit.tar.xz" | cut -f1) MB in $n parts"
 fi
 step "done in $((SECONDS - start)) s"
 ls -l "$kit"
