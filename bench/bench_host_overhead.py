@@ -5,8 +5,9 @@
 
 (on the GPU machine, CuTeDSL installed; with --python-only anywhere, see below). Cases: decode
 batch 1 and 32 at 32K context, and one 2048-token prefill chunk at the end of a 32K context (M3_SHAPE,
-SCALE, paged_problem of bench.problems; ops.select_blocks into the step's selection
-(ops.layer_selection), ops.sparse_attention into a preallocated output, as vllm_msa's backend calls them).
+SCALE, paged_problem of bench.problems; Kernels.select_blocks into the step's selection
+(ops.layer_selection), Kernels.sparse_attention into a preallocated output, as vllm_msa's backend calls them, with
+the kernels chosen once (ops.kernels), as the backend's MSAImpl holds them).
 Each case reuses one step plan (msa_kernels.plan.StepPlan, made once as vLLM's builder makes a step's), as the
 layers of a step share theirs, so what is measured is a layer's own cost, not the step's.
 
@@ -56,15 +57,17 @@ CASES = {  # name: requests (context tokens, of which new)
 
 
 def layer_call(requests: list[tuple[int, int]], device: str = "cuda"):
-    """A no-argument eager layer call on one problem of these requests, as vllm_msa/backend.py makes it: the
-    selection into the step's (ops.layer_selection), then the attention into the layer's output."""
+    """A no-argument eager layer call on one problem of these requests, as vllm_msa/backend.py's MSAImpl makes it
+    with the kernels it holds (ops.kernels, chosen once): the selection into the step's (ops.layer_selection), then
+    the attention into the layer's output."""
     batch, q, index_q, kv, index_keys, _ = paged_problem(requests, device=device)
     plan = StepPlan.of(batch)  # as vLLM's builder plans the step once for all its layers
     out = torch.empty_like(q)
+    chosen = ops.kernels(q.device, q.dtype, index_keys.dtype, False, M3_SHAPE)
 
     def call():
-        selected = ops.select_blocks(index_q, index_keys, plan, M3_SHAPE, out=ops.layer_selection(plan, M3_SHAPE))
-        ops.sparse_attention(q, kv, plan, selected, M3_SHAPE, SCALE, out=out)
+        selected = chosen.select_blocks(index_q, index_keys, plan, M3_SHAPE, out=ops.layer_selection(plan, M3_SHAPE))
+        chosen.sparse_attention(q, kv, plan, selected, M3_SHAPE, SCALE, out=out)
 
     return call
 

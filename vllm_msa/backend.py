@@ -329,15 +329,26 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
 
 class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     """One MSA layer's step on its paged caches, in three stages that MSAAttention runs in this order (the
-    step observer marks the stages apart): cache the step's K/V and index keys, select blocks, attend."""
+    step observer times the stages apart): cache the step's K/V and index keys, select blocks, attend. It holds
+    the kernels chosen for its layer (msa_kernels.ops.Kernels), so a call looks nothing up."""
 
-    def __init__(self, shape: MSAShape, scale: float, index_key_dtype: torch.dtype) -> None:
-        """index_key_dtype: the index-key cache's (Fp8IndexKeyCache.dtype: FP8)."""
+    def __init__(
+        self,
+        shape: MSAShape,
+        scale: float,
+        index_key_dtype: torch.dtype,
+        device: torch.device,
+        dtype: torch.dtype,
+        fp8_kv: bool,
+    ) -> None:
+        """index_key_dtype: the index-key cache's (Fp8IndexKeyCache.dtype: FP8); device, dtype: the model's;
+        fp8_kv: an FP8 K/V cache."""
         self.shape = shape
         self.num_heads = shape.num_q_heads
         self.head_size = shape.head_dim
         self.scale = scale
         self.index_key_dtype = index_key_dtype
+        self.kernels = ops.kernels(device, dtype, index_key_dtype, fp8_kv, shape)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
         return ops.graph_capturable(device, dtype, self.shape, index_key_dtype=self.index_key_dtype)
@@ -357,7 +368,12 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         index-key cache's; an FP8 K/V cache with the layer's K/V scales, index keys quantised for an FP8 cache)."""
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
-        write_index_keys(index_key_cache, index_slots, index_key, self.shape)
+        if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
+            self.kernels.write_index_keys(index_key_cache, index_slots, index_key)
+            return
+        # A bf16 cache on CUDA as write_paged does, passed as both caches: the same rows written twice.
+        index_key = index_key.to(index_key_cache.dtype)
+        compat.write_paged_cuda(index_key_cache, index_key_cache, index_slots, index_key, index_key)
 
     def select(
         self,
@@ -368,7 +384,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
         n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
         selected = ops.layer_selection(plan, self.shape)  # the observer consumes it before the next layer's call
-        return ops.select_blocks(index_query[:n], index_key_cache, plan, self.shape, out=selected)
+        return self.kernels.select_blocks(index_query[:n], index_key_cache, plan, self.shape, out=selected)
 
     def attend(
         self,
@@ -383,9 +399,15 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         the layer's K/V scales)."""
         n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
         kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
-        scales = layer_kv_scales(layer)
-        ops.sparse_attention(
-            query[:n], kv_cache, plan, selected, self.shape, self.scale, out=output[:n], kv_scales=scales
+        self.kernels.sparse_attention(
+            query[:n],
+            kv_cache,
+            plan,
+            selected,
+            self.shape,
+            self.scale,
+            out=output[:n],
+            kv_scales=layer_kv_scales(layer),
         )
 
 
@@ -494,22 +516,6 @@ def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch
     """A layer's K/V cache as vLLM binds it, [num_pages, 2, block_size, Hkv * D] (FlashMSABackend.customize_spec,
     layout LBHNC), as the kernels read it: [num_pages, 2, block_size, Hkv, D]."""
     return kv_cache.unflatten(-1, (num_kv_heads, head_size))
-
-
-def write_index_keys(
-    index_key_cache: torch.Tensor | Fp8IndexKeyCache,
-    slot_mapping: torch.Tensor,
-    index_key: torch.Tensor,
-    shape: MSAShape,
-) -> None:
-    """Store the step's index keys [T, Hki, Dp] at flat slots (< 0: skipped), in the cache's dtype: FP8 caches and
-    CPU through msa_kernels.ops (FP8 on Hopper: the CuTeDSL kernel, quantising on the device without a host sync;
-    elsewhere the reference), other CUDA caches as write_paged does."""
-    if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
-        ops.write_index_keys(index_key_cache, slot_mapping, index_key, shape)
-        return
-    index_key = index_key.to(index_key_cache.dtype)  # the cache passed as both caches: the same rows written twice
-    compat.write_paged_cuda(index_key_cache, index_key_cache, slot_mapping, index_key, index_key)
 
 
 def write_paged(

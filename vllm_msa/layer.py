@@ -61,7 +61,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         self.kv_cache_torch_dtype = compat.cache_torch_dtype(self.kv_cache_dtype, vllm_config.model_config)
         self.fp8_kv = self.kv_cache_dtype in FP8_CACHE_DTYPES
         compat.init_kv_cache_scales(self, quant_config, prefix)
-        self.impl = MSAImpl(shape, scale, index_key_dtype)
+        device, dtype = compat.model_device_and_dtype(vllm_config)
+        self.impl = MSAImpl(shape, scale, index_key_dtype, device, dtype, self.fp8_kv)
         self.index_key_cache = IndexKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
@@ -123,7 +124,7 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         metadata = cast(FlashMSAMetadata, attn_metadata[self.layer_name])
         index_slots = cast(IndexKeyMetadata, attn_metadata[self.index_key_cache.prefix]).slot_mapping
         index_key_cache = self.index_key_cache.pages()
-        step = OBSERVER.layer_step(self.layer_name, q.device)
+        clock = OBSERVER.stage_clock(q.device)  # None unless this call is timed
         key, value = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
         impl.write_caches(
             self,
@@ -136,10 +137,12 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             index_slots,
         )
         if self.fp8_kv:
-            step.count_saturated(key, value, metadata, layer_kv_scales(self))
-        step.mark()  # the selection starts
+            OBSERVER.count_saturated(key, value, metadata, layer_kv_scales(self))
+        if clock is not None:
+            clock.mark()  # the selection starts
         selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, metadata)
-        step.mark()  # the attention starts
+        if clock is not None:
+            clock.mark()  # the attention starts
         impl.attend(
             self,
             q.view(-1, s.num_q_heads, s.head_dim),
@@ -148,7 +151,7 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             selected,
             output.view(-1, s.num_q_heads, s.head_dim),
         )
-        step.done(selected, metadata)
+        OBSERVER.layer_done(self.layer_name, selected, metadata, clock)
 
 
 def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:

@@ -3,9 +3,9 @@
 
 Each MSAAttention registers with OBSERVER when it is built, with its RankLayout, and runs every call as
 
-    step = OBSERVER.layer_step(layer_name, device)    # times one call in metrics.SAMPLE_EVERY
-    cache writes;  [FP8 K/V: step.count_saturated(...)];  step.mark();  block selection;  step.mark();  sparse attention
-    step.done(selected, metadata)
+    clock = OBSERVER.stage_clock(device)    # a metrics.StageClock for one call in metrics.SAMPLE_EVERY, else None
+    cache writes;  [FP8 K/V: OBSERVER.count_saturated(...)];  [clock.mark()];  block selection;  [clock.mark()];
+    sparse attention;  OBSERVER.layer_done(layer_name, selected, metadata, clock)
 
 The observer decides the rest by itself, per worker process:
   - The last MSA layer registered is the process's last: vLLM builds a model's layers in order, and a
@@ -31,36 +31,6 @@ if TYPE_CHECKING:
     from vllm_msa.backend import FlashMSAMetadata
 
 
-class LayerStep:
-    """One call of an MSA layer, as StepObserver.layer_step opened it."""
-
-    def __init__(self, observer: "StepObserver", layer_name: str, clock: metrics.StageClock | None) -> None:
-        self.observer = observer
-        self.layer_name = layer_name
-        self.clock = clock  # None: the call is not timed
-
-    def mark(self) -> None:
-        """A stage starts: the selection (after the cache writes), then the attention."""
-        if self.clock is not None:
-            self.clock.mark()
-
-    def count_saturated(
-        self, key: torch.Tensor, value: torch.Tensor, metadata: "FlashMSAMetadata", kv_scales: tuple[float, float]
-    ) -> None:
-        """The call wrote key/value [T, Hkv, D] to an FP8 K/V cache with these scales: count the values of its prompt
-        (prefill) tokens that saturated; steps of decodes only are not counted (it would cost every decode step)."""
-        plan = metadata.plan
-        if plan.part("prefill") is None:
-            return
-        start, stop = plan.num_decode_tokens, metadata.num_actual_tokens
-        self.observer.step_stats().count_saturated(key[start:stop], value[start:stop], kv_scales)
-
-    def done(self, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
-        """The call ended with this selection [T, Hi, K] (-1 = none), on the layer's metadata."""
-        self.mark()
-        self.observer.layer_done(self.layer_name, selected, metadata)
-
-
 class StepObserver:
     """The MSA layers of this process and what observes them (the module docstring says what it decides)."""
 
@@ -68,7 +38,7 @@ class StepObserver:
         self.layers: dict[str, RankLayout] = {}  # by layer name, in the order they were built
         self.model_name = ""
         self.logs_selection = False
-        self.stats: metrics.StepStats | None = None  # created by the first layer call, on the model's device
+        self.stats: metrics.StepStats | None = None  # created by the first layer call (stage_clock)
 
     def register(self, layer_name: str, layout: RankLayout) -> None:
         """An MSA layer being built (under vLLM's config of its model)."""
@@ -76,25 +46,45 @@ class StepObserver:
         self.model_name = str(compat.current_vllm_config().model_config.served_model_name)  # one name, once resolved
         self.logs_selection = compat.tensor_parallel_rank_and_size()[0] == 0
 
-    def step_stats(self) -> metrics.StepStats:
-        """The totals, which the first layer call created (layer_step)."""
-        assert self.stats is not None, "a layer call records before its layer_step"
-        return self.stats
-
-    def layer_step(self, layer_name: str, device: torch.device) -> LayerStep:
+    def stage_clock(self, device: torch.device) -> metrics.StageClock | None:
+        """A layer call starts (its cache writes first): a StageClock if the call is timed, else None. The first call
+        creates the totals, on the model's device."""
         if self.stats is None:
             self.stats = metrics.StepStats(device, self.model_name)
-        return LayerStep(self, layer_name, self.stats.clock())
+        return self.stats.clock()
 
-    def layer_done(self, layer_name: str, selected: torch.Tensor, metadata: "FlashMSAMetadata") -> None:
+    def count_saturated(
+        self, key: torch.Tensor, value: torch.Tensor, metadata: "FlashMSAMetadata", kv_scales: tuple[float, float]
+    ) -> None:
+        """A layer call wrote key/value [T, Hkv, D] to an FP8 K/V cache with these scales: count the values of its
+        prompt (prefill) tokens that saturated; steps of decodes only are not counted (it would cost every decode
+        step)."""
+        plan = metadata.plan
+        if plan.part("prefill") is None:
+            return
+        assert self.stats is not None, "a layer call counts after its stage_clock"
+        start, stop = plan.num_decode_tokens, metadata.num_actual_tokens
+        self.stats.count_saturated(key[start:stop], value[start:stop], kv_scales)
+
+    def layer_done(
+        self,
+        layer_name: str,
+        selected: torch.Tensor,
+        metadata: "FlashMSAMetadata",
+        clock: metrics.StageClock | None = None,
+    ) -> None:
+        """A layer call ended with this selection [T, Hi, K] (-1 = none), on the layer's metadata; clock: its
+        stage_clock, marked at the selection's and the attention's starts."""
+        if clock is not None:
+            clock.mark()
         plan = metadata.plan
         batch = plan.batch
         last = next(reversed(self.layers))
         if layer_name == last and self.layers[last].counts_selections:
             block_size = self.layers[last].shape.block_size
-            stats = self.step_stats()
-            stats.record(selected, batch.positions, block_size, plan.num_decode_tokens, layers=len(self.layers))
-            stats.publish()
+            assert self.stats is not None, "a layer call ends after its stage_clock"
+            self.stats.record(selected, batch.positions, block_size, plan.num_decode_tokens, layers=len(self.layers))
+            self.stats.publish()
         if (  # the capture query (a CUDA call) only where a selection is to be logged
             selection_log.labels_by_key
             and self.logs_selection

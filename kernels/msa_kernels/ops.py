@@ -114,7 +114,8 @@ class Steps(NamedTuple):
 
 class Kernels(NamedTuple):
     """What runs every step of a layer: the decode part's steps, the prefill part's, and what writes the step's
-    index keys into an FP8 index-key cache."""
+    index keys into an FP8 index-key cache. Chosen once per kind of layer (kernels()); a layer holds its own
+    (vllm_msa's MSAImpl), so its calls look nothing up."""
 
     decode: Steps
     prefill: Steps
@@ -122,6 +123,79 @@ class Kernels(NamedTuple):
 
     def steps(self, phase: Phase) -> Steps:
         return self.decode if phase == "decode" else self.prefill
+
+    def write_index_keys(
+        self, index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
+    ) -> None:
+        """Store per-token index keys [>= T, Hki, Dp] at the flat slots slot_mapping [T] (< 0: skipped), as
+        reference.write_index_keys does: an FP8 cache through write_fp8_index_keys (on Hopper the CuTeDSL kernel,
+        quantised on the device, no host sync), anything else through the reference."""
+        if isinstance(index_key_cache, Fp8IndexKeyCache):
+            self.write_fp8_index_keys(index_key_cache, slot_mapping, index_keys)
+        else:
+            reference.write_index_keys(index_key_cache, slot_mapping, index_keys)
+
+    def select_blocks(
+        self,
+        index_q: torch.Tensor,
+        index_key_cache: torch.Tensor | Fp8IndexKeyCache,
+        plan: StepPlan,
+        shape: MSAShape,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (the plan's batch: the index-key cache's
+        block table), written into out if given (e.g. layer_selection)."""
+        selected = (
+            out
+            if out is not None
+            else torch.empty(
+                (plan.batch.num_tokens, shape.num_index_heads, shape.topk_blocks),
+                dtype=torch.int32,
+                device=index_q.device,
+            )
+        )
+        for part in plan.parts:
+            steps = self.steps(part.phase)
+            part_q, part_selected = part.of(index_q), part.of(selected)
+            for chunk_rows, chunk in _score_chunks(part.batch, shape):
+                scores = steps.selection_scores(
+                    _rows(part_q, chunk_rows), index_key_cache, chunk, shape, part.workspace
+                )
+                steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
+        return selected
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+        selected: torch.Tensor,
+        shape: MSAShape,
+        scale: float,
+        out: torch.Tensor | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
+    ) -> torch.Tensor:
+        """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given), on a
+        K/V cache of the kind these kernels were chosen for (bf16, or FP8 dequantised with kv_scales = (k_scale,
+        v_scale)); a strided K/V cache runs the reference."""
+        result = out if out is not None else q.new_empty((plan.batch.num_tokens, shape.num_q_heads, shape.head_dim))
+        if not kv_cache.is_contiguous():
+            return reference.sparse_attention(
+                q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
+            )
+        for part in plan.parts:
+            self.steps(part.phase).attention(
+                part.of(q),
+                kv_cache,
+                part.batch,
+                part.of(selected),
+                shape,
+                scale,
+                out=part.of(result),
+                kv_scales=kv_scales,
+                workspace=part.workspace,
+            )
+        return result
 
 
 @functools.cache
@@ -227,14 +301,9 @@ def write_index_keys(
     index_keys: torch.Tensor,
     shape: MSAShape,
 ) -> None:
-    """Store per-token index keys [>= T, Hki, Dp] at the flat slots slot_mapping [T] (< 0: skipped), as
-    reference.write_index_keys does: an FP8 cache on Hopper through the CuTeDSL kernel (quantised on the device,
-    no host sync), anything else through the reference."""
-    if isinstance(index_key_cache, Fp8IndexKeyCache):
-        chosen = kernels(index_keys.device, index_keys.dtype, index_key_cache.dtype, False, shape)
-        chosen.write_fp8_index_keys(index_key_cache, slot_mapping, index_keys)
-        return
-    reference.write_index_keys(index_key_cache, slot_mapping, index_keys)
+    """Kernels.write_index_keys with the kernels chosen for these index keys and this cache."""
+    chosen = kernels(index_keys.device, index_keys.dtype, index_key_cache.dtype, False, shape)
+    chosen.write_index_keys(index_key_cache, slot_mapping, index_keys)
 
 
 def uses_cute_index_scores(
@@ -318,23 +387,9 @@ def select_blocks(
     shape: MSAShape,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (the plan's batch: the index-key cache's
-    block table), written into out if given (e.g. layer_selection)."""
-    selected = (
-        out
-        if out is not None
-        else torch.empty(
-            (plan.batch.num_tokens, shape.num_index_heads, shape.topk_blocks), dtype=torch.int32, device=index_q.device
-        )
-    )
+    """Kernels.select_blocks with the kernels chosen for these index queries and this index-key cache."""
     chosen = kernels(index_q.device, index_q.dtype, index_key_cache.dtype, False, shape)
-    for part in plan.parts:
-        steps = chosen.steps(part.phase)
-        part_q, part_selected = part.of(index_q), part.of(selected)
-        for chunk_rows, chunk in _score_chunks(part.batch, shape):
-            scores = steps.selection_scores(_rows(part_q, chunk_rows), index_key_cache, chunk, shape, part.workspace)
-            steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
-    return selected
+    return chosen.select_blocks(index_q, index_key_cache, plan, shape, out)
 
 
 def layer_selection(plan: StepPlan, shape: MSAShape) -> torch.Tensor:
@@ -368,29 +423,10 @@ def sparse_attention(
     out: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given).
-
-    An FP8 K/V cache (reference.is_fp8_kv) is dequantised with kv_scales = (k_scale, v_scale); a strided K/V cache
-    runs the reference."""
-    result = out if out is not None else q.new_empty((plan.batch.num_tokens, shape.num_q_heads, shape.head_dim))
-    if not kv_cache.is_contiguous():
-        return reference.sparse_attention(
-            q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
-        )
+    """Kernels.sparse_attention with the kernels chosen for these queries and this K/V cache (an FP8 one:
+    reference.is_fp8_kv)."""
     chosen = kernels(q.device, q.dtype, q.dtype, reference.is_fp8_kv(kv_cache), shape)
-    for part in plan.parts:
-        chosen.steps(part.phase).attention(
-            part.of(q),
-            kv_cache,
-            part.batch,
-            part.of(selected),
-            shape,
-            scale,
-            out=part.of(result),
-            kv_scales=kv_scales,
-            workspace=part.workspace,
-        )
-    return result
+    return chosen.sparse_attention(q, kv_cache, plan, selected, shape, scale, out, kv_scales)
 
 
 def msa_attention(
