@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The sixteenth session's lease (serving kit): the serving smoke's serve part, the kernel tests, the smoke's M3 part, then the peer table at the same
 # shapes on the serving kit (vLLM 0.34, Triton 3.8) and on the kernel kit (the image's torch 2.11 and Triton 3.6,
-# vLLM 0.34's M3 op files staged), then the kernel tests. Run under dev/gpu/background.sh; logs in /tmp/lease.
+# vLLM 0.34's M3 op files staged). Run under dev/gpu/background.sh; logs in /tmp/lease.
 set -uo pipefail
 out=/tmp/lease; mkdir -p "$out"
 stamp() { echo "[chain $(date +%T)] $*"; }
