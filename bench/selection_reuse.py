@@ -11,22 +11,23 @@ selects as the t-th decode step would: its own block forced, every earlier block
   page reuse   the K/V pages the step reads (a page holds every KV head of its block, so the union of the index
                heads' blocks) found among the pages the step before read;
   LRU hit rate a per-request GPU hot set of C x (Hi x k) pages (the most a step can read), least recently used
-               out: the share of a step's pages already in it, and the pages a step copies in from host memory
-               (misses), mean and p99; a hot set as large as the context (its pages in the first column) always hits;
+               out, run by the host tier's own step (msa_kernels.host_tier.resolve): the share of a step's pages
+               already in it, and the pages a step copies in from host memory (misses), mean and p99; a hot set as
+               large as the context (its pages in the first column) always hits;
 
 each beside the same numbers for independent random block scores at the same shape (what no trained index head
-would do: the worst case). CPU only, seconds.
+would do: the worst case). CPU only, minutes (a resolve per position and capacity).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from msa_kernels.host_tier import HotSets, resolve, step_blocks
 from msa_kernels.shapes import MSAShape
 from training.trained_selections import random_selection
 
@@ -51,25 +52,21 @@ def page_reuse(pages: list[set[int]], start: int) -> float:
     return float(np.mean([len(pages[t] & pages[t - 1]) / len(pages[t]) for t in range(max(start, 1), len(pages))]))
 
 
-def lru(pages: list[set[int]], start: int, capacity: int) -> tuple[float, float, float]:
-    """(hit rate, mean misses per step, p99 misses per step) of an LRU hot set of `capacity` pages, warmed on the
-    positions before `start`."""
-    hot: OrderedDict[int, None] = OrderedDict()
+def lru(selected: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
+    """(hit rate, mean misses per step, p99 misses per step) of one request's hot set of `capacity` pages under the
+    host tier's own step (msa_kernels.host_tier: step_blocks, resolve), positions as consecutive decode steps,
+    warmed on the positions before `start`."""
+    blocks = step_blocks(selected)
+    hot_sets = HotSets.empty(1, capacity)
+    host_block_table = torch.arange(int(blocks.max()) + 1, dtype=torch.int32)[None]  # block b on host page b
     hits = requests = 0
     misses = []
-    for t, step in enumerate(pages):
-        missed = 0
-        for page in step:
-            if page in hot:
-                hot.move_to_end(page)
-                hits += t >= start
-            else:
-                missed += 1
-                hot[page] = None
-        while len(hot) > capacity:
-            hot.popitem(last=False)
+    for t in range(blocks.shape[0]):
+        resolution = resolve(hot_sets, blocks[t : t + 1], host_block_table, t)
         if t >= start:
-            requests += len(step)
+            hits += int(resolution.hits[0])
+            missed = int(resolution.misses[0])
+            requests += int(resolution.hits[0]) + missed
             misses.append(missed)
     return hits / requests, float(np.mean(misses)), float(np.percentile(misses, 99))
 
@@ -97,7 +94,7 @@ def report(selections: dict[int, torch.Tensor], start_fraction: float, capacitie
             per_step = selected.shape[1] * selected.shape[2]
             cells = []
             for c in capacities:
-                hit, mean_misses, p99 = lru(pages, start, c * per_step)
+                hit, mean_misses, p99 = lru(selected, start, c * per_step)
                 cells.append(f"{hit:.2f}, {mean_misses:.1f} / {p99:.0f}")
             reuse = f"{head_reuse(selected, start):.2f} | {page_reuse(pages, start):.2f}"
             lines.append(f"| {context} ({context_pages}) | {name} | {reuse} | " + " | ".join(cells) + " |")
