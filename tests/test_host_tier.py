@@ -27,8 +27,9 @@ def test_step_blocks_is_each_requests_union_of_its_index_heads_blocks():
 
 
 def decode_steps(num_steps: int, seed: int):
-    """A decode batch (one query token per request at SEQ_LENS) and, per step, fresh queries and the reference's
-    selection for them: each step selects other blocks, as consecutive decode steps do."""
+    """A decode batch (one query token per request at SEQ_LENS; free pages and page tails NaN) and, per step, fresh
+    queries and the reference's selection for them: each step selects other blocks, as consecutive decode steps
+    do."""
     case = make_case(SHAPE, [1] * len(SEQ_LENS), SEQ_LENS, dtype=torch.float64, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for _ in range(num_steps):
@@ -38,34 +39,47 @@ def decode_steps(num_steps: int, seed: int):
         yield case, q, reference.topk_blocks(scores, case.batch.positions, SHAPE)
 
 
+@pytest.mark.parametrize("spilled", ["every block", "half the blocks"])
 @pytest.mark.parametrize("capacity", [8, 13, 40])  # the least a step needs (Hi x K), more, the whole context
-def test_attention_through_the_hot_sets_equals_attention_on_the_whole_cache(capacity):
+def test_attention_through_the_hot_sets_equals_attention_on_the_whole_cache(capacity, spilled):
     num_requests = len(SEQ_LENS)
-    hot_sets = HotSets.empty(num_requests, capacity)
-    hot_kv = None
+    steps = list(decode_steps(12, seed=capacity))
+    case = steps[0][0]
+    host_kv, table = case.kv_cache, case.batch.block_table  # every block's K/V at home in host memory
+    # The device: the pages still resident, the spilled ones NaN, then the hot sets' pages, NaN until copied in.
+    spill = torch.ones(table.shape, dtype=torch.bool)
+    resident_table = None
+    if spilled == "half the blocks":
+        spill = torch.rand(table.shape, generator=torch.Generator().manual_seed(capacity)) < 0.5
+        resident_table = table.masked_fill(spill, -1)
+    device_kv = torch.cat([host_kv, torch.full((num_requests * capacity, *host_kv.shape[1:]), float("nan"))])
+    num_blocks = -(-torch.tensor(SEQ_LENS) // SHAPE.block_size)
+    owned = torch.arange(table.shape[1])[None, :] < num_blocks[:, None]
+    device_kv[table[spill & owned].long()] = float("nan")  # (past a request's blocks its table holds page 0)
+    hot_sets = HotSets.empty(num_requests, capacity, first_page=host_kv.shape[0])
     seen: list[set[int]] = [set() for _ in SEQ_LENS]
-    for step, (case, q, selected) in enumerate(decode_steps(12, seed=capacity)):
-        if hot_kv is None:  # NaN until copied in: a page read before its copy poisons the output
-            hot_kv = torch.full((num_requests * capacity, *case.kv_cache.shape[1:]), float("nan"), dtype=torch.float64)
+    for step, (_, q, selected) in enumerate(steps):
         blocks = step_blocks(selected)
         before = hot_sets.blocks.clone()
-        resolution = resolve(hot_sets, blocks, case.batch.block_table, step)
-        copy_pages(case.kv_cache, hot_kv, resolution)
+        resolution = resolve(hot_sets, blocks, table, step, resident_table)
+        copy_pages(host_kv, device_kv, resolution)
         hot_batch = PagedBatch(case.batch.query_start_loc, case.batch.seq_lens, resolution.block_table, "decode")
-        through_hot = reference.sparse_attention(q, hot_kv, hot_batch, selected, SHAPE, case.scale)
-        whole = reference.sparse_attention(q, case.kv_cache, case.batch, selected, SHAPE, case.scale)
+        through_hot = reference.sparse_attention(q, device_kv, hot_batch, selected, SHAPE, case.scale)
+        whole = reference.sparse_attention(q, host_kv, case.batch, selected, SHAPE, case.scale)
         assert torch.equal(through_hot, whole), f"step {step}"
         for r, row in enumerate(blocks.tolist()):
             step_set = {b for b in row if b >= 0}
+            spilled_set = {b for b in step_set if spill[r, b]}
             held_before = set(before[r].tolist())
-            assert resolution.hits[r] == len(step_set & held_before)
-            assert resolution.misses[r] == len(step_set - held_before)
-            assert step_set <= set(hot_sets.blocks[r].tolist())  # every block the step reads is held after
+            assert resolution.resident[r] == len(step_set - spilled_set)
+            assert resolution.hits[r] == len(spilled_set & held_before)
+            assert resolution.misses[r] == len(spilled_set - held_before)
+            assert spilled_set <= set(hot_sets.blocks[r].tolist())  # every spilled block the step reads is held
             held = [b for b in hot_sets.blocks[r].tolist() if b >= 0]
-            assert len(held) == len(set(held))  # a block in one slot at most
+            assert len(held) == len(set(held)) and not set(held) - {b for b in range(table.shape[1]) if spill[r, b]}
             if capacity * SHAPE.block_size >= SEQ_LENS[r]:  # the whole context fits: only first reads miss
-                assert resolution.misses[r] == len(step_set - seen[r])
-            seen[r] |= step_set
+                assert resolution.misses[r] == len(spilled_set - seen[r])
+            seen[r] |= spilled_set
 
 
 def lru_slots(steps: list[list[int]], capacity: int) -> list[tuple[int, int]]:

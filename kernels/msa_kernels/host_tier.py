@@ -2,13 +2,14 @@
 
 An MSA decode step reads the K/V of at most Hi x K blocks per request (each index head's top-k), and consecutive
 steps read many of the same blocks (results/README.md, "Selection reuse across decode steps"). With a host tier the
-K/V of every block lives in host memory (its page in host_block_table), and each request keeps a hot set on the
-device: `capacity` pages holding the blocks it read last, least recently used out. Per decode step, after top-k:
+K/V of every block lives in host memory (its page in host_block_table) and may also still be resident in a device
+page (resident_block_table, -1 where spilled); each request keeps a hot set on the device: `capacity` pages holding
+the spilled blocks it read last, least recently used out. Per decode step, after top-k:
 
     selected [R, Hi, K] --step_blocks--> the step's blocks [R, Hi*K] (each once, -1 padded)
-        --resolve(hot_sets, host_block_table)--> Resolution: the block table the sparse attention reads
-                                                  (block -> device page, for the step's blocks only),
-                                                  the host pages to copy in and the device pages they fill
+        --resolve(hot_sets, host_block_table, resident_block_table)--> Resolution: the block table the sparse
+                  attention reads (block -> its resident page or its hot page, for the step's blocks only), the host
+                  pages to copy in and the hot pages they fill
         --copy_pages--> the hot pages hold every block the step reads; sparse attention runs unchanged
 
 The sparse attention reads only the selected blocks' pages (msa_kernels.reference.sparse_attention, the CuTeDSL
@@ -37,9 +38,13 @@ class HotSets:
     last_used: torch.Tensor
 
     @classmethod
-    def empty(cls, num_requests: int, capacity: int, device: torch.device | str = "cpu") -> "HotSets":
-        """Hot sets of `capacity` pages each, request r's on device pages [r * capacity, (r + 1) * capacity)."""
+    def empty(
+        cls, num_requests: int, capacity: int, device: torch.device | str = "cpu", first_page: int = 0
+    ) -> "HotSets":
+        """Hot sets of `capacity` pages each, request r's on device pages first_page + [r * capacity, (r + 1) *
+        capacity)."""
         pages = torch.arange(num_requests * capacity, dtype=torch.int32, device=device).view(num_requests, capacity)
+        pages += first_page
         blocks = torch.full_like(pages, -1)
         return cls(pages, blocks, torch.full(pages.shape, _NEVER, dtype=torch.int64, device=device))
 
@@ -54,12 +59,14 @@ class Resolution(NamedTuple):
     block_table [R, max_blocks] int32: the device page of each block the step reads (others -1);
     copy_from [R, N] int32: per block of step_blocks' row, its host page where it misses, else -1;
     copy_to [R, N] int32: the device page a missing block is copied into (-1 where copy_from is);
-    hits [R] int32: the step's blocks already in the hot set."""
+    hits [R] int32: the step's spilled blocks already in the hot set;
+    resident [R] int32: the step's blocks read from their resident pages."""
 
     block_table: torch.Tensor
     copy_from: torch.Tensor
     copy_to: torch.Tensor
     hits: torch.Tensor
+    resident: torch.Tensor
 
     @property
     def misses(self) -> torch.Tensor:
@@ -77,23 +84,37 @@ def step_blocks(selected: torch.Tensor) -> torch.Tensor:
     return blocks.masked_fill(blocks == torch.iinfo(blocks.dtype).max, -1).to(torch.int32)
 
 
-def resolve(hot_sets: HotSets, blocks: torch.Tensor, host_block_table: torch.Tensor, step: int) -> Resolution:
-    """Give every block of the step (blocks [R, N] from step_blocks) a device page of its request's hot set: a block
-    already held keeps its page (a hit); a missing block takes the least recently used slot that the step does not
-    read (empty slots first) and is to be copied in from its host page (host_block_table [R, max_blocks]). Updates
-    hot_sets in place (the blocks held, their last use: `step`). Needs capacity >= N, so every miss finds a slot."""
+def resolve(
+    hot_sets: HotSets,
+    blocks: torch.Tensor,
+    host_block_table: torch.Tensor,
+    step: int,
+    resident_block_table: torch.Tensor | None = None,
+) -> Resolution:
+    """Give every block of the step (blocks [R, N] from step_blocks) a device page: its resident page where
+    resident_block_table [R, max_blocks] has one (>= 0; None: every block spilled), else a page of its request's hot
+    set: a block already held keeps its page (a hit); a missing block takes the least recently used slot that the
+    step does not read (empty slots first) and is to be copied in from its host page (host_block_table [R,
+    max_blocks]). Updates hot_sets in place (the blocks held, their last use: `step`). Needs capacity >= N, so every
+    miss finds a slot."""
     if hot_sets.capacity < blocks.shape[1]:
         raise ValueError(
             f"a hot set of {hot_sets.capacity} pages cannot hold a step's {blocks.shape[1]} blocks (Hi x K)"
         )
     rows, capacity = hot_sets.blocks.shape
-    valid = blocks >= 0
+    read = blocks >= 0
+    gather_at = blocks.clamp(min=0).long()
+    if resident_block_table is None:
+        resident_page = torch.full_like(blocks, -1)
+    else:
+        resident_page = torch.where(read, resident_block_table.gather(1, gather_at), -1)
+    valid = read & (resident_page < 0)  # the blocks the hot set serves
     held = (blocks[:, :, None] == hot_sets.blocks[:, None, :]) & valid[:, :, None]  # [R, N, capacity]
     hit = held.any(2)
-    read = held.any(1)  # [R, capacity]: slots the step reads already
+    slot_read = held.any(1)  # [R, capacity]: slots the step reads already
     miss = valid & ~hit
     # The misses of a row take its unread slots in order of last use (never used first), one each.
-    free_first = torch.where(read, torch.iinfo(torch.int64).max, hot_sets.last_used).argsort(dim=1, stable=True)
+    free_first = torch.where(slot_read, torch.iinfo(torch.int64).max, hot_sets.last_used).argsort(dim=1, stable=True)
     miss_slot = free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
     slot = torch.where(hit, held.to(torch.int8).argmax(2), miss_slot)
     # Unread entries (-1 blocks) write a sink column past the real ones.
@@ -104,16 +125,18 @@ def resolve(hot_sets: HotSets, blocks: torch.Tensor, host_block_table: torch.Ten
     last_used.scatter_(1, target, step)
     hot_sets.blocks.copy_(held_blocks[:, :capacity])
     hot_sets.last_used.copy_(last_used[:, :capacity])
-    page = torch.where(valid, hot_sets.pages.gather(1, slot), -1)
+    hot_page = torch.where(valid, hot_sets.pages.gather(1, slot), -1)
+    page = torch.where(resident_page >= 0, resident_page, hot_page)
     max_blocks = host_block_table.shape[1]
     block_table = host_block_table.new_full((rows, max_blocks + 1), -1)
-    block_table.scatter_(1, torch.where(valid, blocks, max_blocks).long(), page)
-    copy_from = torch.where(miss, host_block_table.gather(1, blocks.clamp(min=0).long()), -1)
+    block_table.scatter_(1, torch.where(read, blocks, max_blocks).long(), page.to(block_table.dtype))
+    copy_from = torch.where(miss, host_block_table.gather(1, gather_at), -1)
     return Resolution(
         block_table[:, :max_blocks].to(torch.int32),
         copy_from.to(torch.int32),
-        torch.where(miss, page, -1).to(torch.int32),
+        torch.where(miss, hot_page, -1).to(torch.int32),
         hit.sum(1, dtype=torch.int32),
+        (resident_page >= 0).sum(1, dtype=torch.int32),
     )
 
 
