@@ -108,24 +108,24 @@ def resolve(
         resident_page = torch.full_like(blocks, -1)
     else:
         resident_page = torch.where(read, resident_block_table.gather(1, gather_at), -1)
-    valid = read & (resident_page < 0)  # the blocks the hot set serves
-    held = (blocks[:, :, None] == hot_sets.blocks[:, None, :]) & valid[:, :, None]  # [R, N, capacity]
+    spilled = read & (resident_page < 0)  # the blocks the hot set serves
+    held = (blocks[:, :, None] == hot_sets.blocks[:, None, :]) & spilled[:, :, None]  # [R, N, capacity]
     hit = held.any(2)
     slot_read = held.any(1)  # [R, capacity]: slots the step reads already
-    miss = valid & ~hit
+    miss = spilled & ~hit
     # The misses of a row take its unread slots in order of last use (never used first), one each.
     free_first = torch.where(slot_read, torch.iinfo(torch.int64).max, hot_sets.last_used).argsort(dim=1, stable=True)
     miss_slot = free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
     slot = torch.where(hit, held.to(torch.int8).argmax(2), miss_slot)
-    # Unread entries (-1 blocks) write a sink column past the real ones.
-    target = torch.where(valid, slot, capacity)
+    # Entries the hot set does not serve (no block, or a resident one) write a sink column past the real ones.
+    target = torch.where(spilled, slot, capacity)
     held_blocks = torch.cat([hot_sets.blocks, hot_sets.blocks.new_full((rows, 1), -1)], 1)
     held_blocks.scatter_(1, target, blocks)
     last_used = torch.cat([hot_sets.last_used, hot_sets.last_used.new_full((rows, 1), _NEVER)], 1)
     last_used.scatter_(1, target, step)
     hot_sets.blocks.copy_(held_blocks[:, :capacity])
     hot_sets.last_used.copy_(last_used[:, :capacity])
-    hot_page = torch.where(valid, hot_sets.pages.gather(1, slot), -1)
+    hot_page = torch.where(spilled, hot_sets.pages.gather(1, slot), -1)
     page = torch.where(resident_page >= 0, resident_page, hot_page)
     max_blocks = host_block_table.shape[1]
     block_table = host_block_table.new_full((rows, max_blocks + 1), -1)
