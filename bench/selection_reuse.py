@@ -32,9 +32,9 @@ from msa_kernels.shapes import MSAShape
 from training.trained_selections import random_selection
 
 
-def step_pages(selected: torch.Tensor) -> list[set[int]]:
-    """The pages each position reads: the union of its index heads' selected blocks (-1 = none)."""
-    return [set(row[row >= 0].tolist()) for row in selected.flatten(1)]
+def step_pages(blocks: torch.Tensor) -> list[set[int]]:
+    """The pages each position reads, from step_blocks' rows (the union of its index heads' blocks, -1 padded)."""
+    return [set(row[row >= 0].tolist()) for row in blocks]
 
 
 def head_reuse(selected: torch.Tensor, start: int) -> float:
@@ -52,11 +52,10 @@ def page_reuse(pages: list[set[int]], start: int) -> float:
     return float(np.mean([len(pages[t] & pages[t - 1]) / len(pages[t]) for t in range(max(start, 1), len(pages))]))
 
 
-def lru(selected: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
+def lru(blocks: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
     """(hit rate, mean misses per step, p99 misses per step) of one request's hot set of `capacity` pages under the
     host tier's own step (msa_kernels.host_tier: step_blocks, resolve), positions as consecutive decode steps,
-    warmed on the positions before `start`."""
-    blocks = step_blocks(selected)
+    warmed on the positions before `start`; blocks: step_blocks of the positions' selections."""
     hot_sets = HotSets.empty(1, capacity)
     host_block_table = torch.arange(int(blocks.max()) + 1, dtype=torch.int32)[None]  # block b on host page b
     hits = requests = 0
@@ -64,9 +63,9 @@ def lru(selected: torch.Tensor, start: int, capacity: int) -> tuple[float, float
     for t in range(blocks.shape[0]):
         resolution = resolve(hot_sets, blocks[t : t + 1], host_block_table, t)
         if t >= start:
-            hits += int(resolution.hits[0])
-            missed = int(resolution.misses[0])
-            requests += int(resolution.hits[0]) + missed
+            hit, missed = int(resolution.hits[0]), int(resolution.misses[0])
+            hits += hit
+            requests += hit + missed
             misses.append(missed)
     return hits / requests, float(np.mean(misses)), float(np.percentile(misses, 99))
 
@@ -90,11 +89,12 @@ def report(selections: dict[int, torch.Tensor], start_fraction: float, capacitie
         start = int(context * start_fraction)
         context_pages = -(-context // block_size)
         for name, selected in (("trained", trained.int()), ("random", random_like(trained, block_size))):
-            pages = step_pages(selected)
+            blocks = step_blocks(selected)  # each position's pages, once for every column
+            pages = step_pages(blocks)
             per_step = selected.shape[1] * selected.shape[2]
             cells = []
             for c in capacities:
-                hit, mean_misses, p99 = lru(selected, start, c * per_step)
+                hit, mean_misses, p99 = lru(blocks, start, c * per_step)
                 cells.append(f"{hit:.2f}, {mean_misses:.1f} / {p99:.0f}")
             reuse = f"{head_reuse(selected, start):.2f} | {page_reuse(pages, start):.2f}"
             lines.append(f"| {context} ({context_pages}) | {name} | {reuse} | " + " | ".join(cells) + " |")
