@@ -42,6 +42,8 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
 - MiniMax-M3 (MiniMaxM3SparseFor{CausalLM,ConditionalGeneration}), all with --block-size 128 (one
   sparse block per KV page, the only page size vLLM's M3 sparse backend serves):
   `FLASH_MSA`: `--attention-backend FLASH_MSA`, this plugin's M3 (sparse layers on MSAAttention).
+  `FLASH_MSA-fp8-index`: the same with FP8 index keys (`--attention-config '{"indexer_kv_dtype": "fp8"}'`;
+  vLLM's M3 keeps bf16 index keys on Hopper: its Triton indexer refuses FP8).
   `MINIMAX_M3_SPARSE`: `--attention-backend FLASH_ATTN`, vLLM's own M3. Its sparse layers bind
   MiniMaxM3SparseBackend themselves (Triton kernels on Hopper); the flag picks the dense layers'
   backend, and MINIMAX_M3_SPARSE cannot be that flag (vLLM refuses a sparse-only backend for them).
@@ -166,6 +168,13 @@ def minimax_m3_configs(model_dir: Path, dense_backend: str) -> dict[str, list[st
     paged = ["--block-size", str(compat.m3_sparse_fields(text)["block_size"])]
     return {
         "FLASH_MSA": ["--attention-backend", "FLASH_MSA", *paged],
+        "FLASH_MSA-fp8-index": [
+            "--attention-backend",
+            "FLASH_MSA",
+            *paged,
+            "--attention-config",
+            json.dumps({"indexer_kv_dtype": "fp8"}),
+        ],
         "MINIMAX_M3_SPARSE": ["--attention-backend", dense_backend, *paged],
         "dense": [
             "--attention-backend",

@@ -86,15 +86,22 @@ def test_m3_default_configs_are_flash_msa_vllms_m3_and_all_dense_m3(m3_attention
     from vllm_msa.config import MSAModelConfig
 
     configs = bench_e2e.default_configs(m3_attention_model, "FLASH_ATTN")
-    assert list(configs) == ["FLASH_MSA", "MINIMAX_M3_SPARSE", "dense"]
+    assert list(configs) == ["FLASH_MSA", "FLASH_MSA-fp8-index", "MINIMAX_M3_SPARSE", "dense"]
     parsed = {name: engine_args(m3_attention_model, args) for name, args in configs.items()}
     assert {name: e.attention_backend for name, e in parsed.items()} == {
         "FLASH_MSA": "FLASH_MSA",
+        "FLASH_MSA-fp8-index": "FLASH_MSA",
         "MINIMAX_M3_SPARSE": "FLASH_ATTN",
         "dense": "FLASH_ATTN",
     }
+    assert {name: e.attention_config.indexer_kv_dtype for name, e in parsed.items()} == {
+        "FLASH_MSA": "auto",
+        "FLASH_MSA-fp8-index": "fp8",
+        "MINIMAX_M3_SPARSE": "auto",
+        "dense": "auto",
+    }
     assert {e.block_size for e in parsed.values()} == {128}
-    assert [e.load_format for e in parsed.values()] == ["auto", "auto", "dummy"]
+    assert [e.load_format for e in parsed.values()] == ["auto", "auto", "auto", "dummy"]
     assert parsed["FLASH_MSA"].hf_overrides == parsed["MINIMAX_M3_SPARSE"].hf_overrides == {}
 
     from vllm_msa import compat
