@@ -21,7 +21,7 @@ failed, they are benchmarked one after another. Progress (server, input length) 
 goes; a server that fails to start, dies, or whose benchmark fails is reported with its log tail,
 and the other servers are still measured.
 
---out gets summary.md (TTFT, TPOT, median ITL and output throughput per input length, concurrency
+--out gets summary.md (TTFT, TPOT, median and p99 ITL and output throughput per input length, concurrency
 and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's; with
 speculative decoding also its acceptance rate and length), one SVG bar chart per input length and
 concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON (with each request's TTFT and inter-token latencies,
@@ -104,11 +104,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a sc
 from serve import local_server
 from serve.local_server import NotHealthyError, healthy, wait_healthy
 
-# Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks).
+# Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks); ITL p99:
+# the steps that did run them.
 METRICS = (
     ("mean_ttft_ms", "TTFT ms"),
     ("mean_tpot_ms", "TPOT ms"),
     ("median_itl_ms", "ITL p50 ms"),
+    ("p99_itl_ms", "ITL p99 ms"),
     ("output_throughput", "out tok/s"),
 )
 RATIOS = (("mean_ttft_ms", "TTFT"), ("mean_tpot_ms", "TPOT"), ("median_itl_ms", "ITL p50"))

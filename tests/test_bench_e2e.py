@@ -150,7 +150,13 @@ def test_speculative_config_adds_a_speculating_twin_of_each_configuration_with_i
     assert list(configs) == ["FLASH_MSA", "FLASH_MSA+ngram", "dense", "dense+ngram"]
     assert configs["FLASH_MSA+ngram"] == [*configs["FLASH_MSA"], "--speculative-config", speculative]
     assert engine_args(demo_model, configs["dense+ngram"]).speculative_config == json.loads(speculative)
-    plain = {"mean_ttft_ms": 50.0, "mean_tpot_ms": 20.0, "median_itl_ms": 20.0, "output_throughput": 50.0}
+    plain = {
+        "mean_ttft_ms": 50.0,
+        "mean_tpot_ms": 20.0,
+        "median_itl_ms": 20.0,
+        "p99_itl_ms": 30.0,
+        "output_throughput": 50.0,
+    }
     speculating = plain | {
         "mean_tpot_ms": 10.0,
         "spec_decode_acceptance_rate": 40.0,
@@ -162,8 +168,8 @@ def test_speculative_config_adds_a_speculating_twin_of_each_configuration_with_i
     ]
     summary = bench_e2e.table(servers, [(64, 4)])
     assert summary.splitlines()[0].endswith("| ITL p50 FLASH_MSA / this | accept % | accept len |")
-    assert "| 64 | 4 | FLASH_MSA | 50.0 | 20.0 | 20.0 | 50.0 | 1.00 | 1.00 | 1.00 | - | - |" in summary
-    assert "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |" in summary
+    assert "| 64 | 4 | FLASH_MSA | 50.0 | 20.0 | 20.0 | 30.0 | 50.0 | 1.00 | 1.00 | 1.00 | - | - |" in summary
+    assert "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 30.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |" in summary
 
 
 def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_path):
@@ -204,7 +210,7 @@ else:  # bench serve: TPOT = input length / 100 * (1 + server index)
     scale = 1 + int(opt("--base-url").rsplit(":", 1)[1]) - PORT
     n = int(opt("--random-input-len"))
     result = {"mean_ttft_ms": n / 10 * scale, "mean_tpot_ms": n / 100 * scale, "median_itl_ms": n / 200 * scale,
-              "output_throughput": 1000 / scale, "num_prompts": 4, "failed": 0}
+              "p99_itl_ms": n / 50 * scale, "output_throughput": 1000 / scale, "num_prompts": 4, "failed": 0}
     with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
         json.dump(result, f)
 """
@@ -254,7 +260,7 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
         assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.300" and argv[-1] == "--enforce-eager"
         assert argv[argv.index("--max-num-seqs") + 1] == "4"  # the largest concurrency
     summary = (out / "summary.md").read_text()
-    assert "| 200 | 4 | B | 40.0 | 4.0 | 2.0 | 500.0 | 0.50 | 0.50 | 0.50 |" in summary
+    assert "| 200 | 4 | B | 40.0 | 4.0 | 2.0 | 8.0 | 500.0 | 0.50 | 0.50 | 0.50 |" in summary
     assert "| 100 | 1 | C | failed |" in summary and "- C: server exited with 1" in summary
     assert sorted(p.name for p in out.glob("*.svg")) == [
         "e2e-100-c1.svg",
