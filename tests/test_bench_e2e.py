@@ -169,7 +169,8 @@ def test_speculative_config_adds_a_speculating_twin_of_each_configuration_with_i
     summary = bench_e2e.table(servers, [(64, 4)])
     assert summary.splitlines()[0].endswith("| ITL p50 FLASH_MSA / this | accept % | accept len |")
     assert "| 64 | 4 | FLASH_MSA | 50.0 | 20.0 | 20.0 | 30.0 | 50.0 | 1.00 | 1.00 | 1.00 | - | - |" in summary
-    assert "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 30.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |" in summary
+    twin = "| 64 | 4 | FLASH_MSA+ngram | 50.0 | 10.0 | 20.0 | 30.0 | 50.0 | 1.00 | 2.00 | 1.00 | 40.00 | 2.20 |"
+    assert twin in summary
 
 
 def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_path):
