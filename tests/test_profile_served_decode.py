@@ -1,18 +1,25 @@
 """bench/profile_served_decode.py on the CPU engine: the demo model's decode steps profiled, each MSA layer once a
-step, and bad arguments refused."""
+step, and bad arguments refused. The engine runs in the tool's own process (it builds vLLM's engine core in-process,
+whose globals must not leak into the test process)."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from bench import profile_served_decode
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_profiles_decode_steps_with_each_msa_layer_called_once_a_step(demo_model, capsys, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as main sets it, undone after the test
+
+def test_profiles_decode_steps_with_each_msa_layer_called_once_a_step(demo_model):
     flags = ["--dtype", "float32", "--kv-cache-memory-bytes", "1G", "--enforce-eager"]
-    assert profile_served_decode.main([str(demo_model), "--context", "300", "--steps", "2", "--", *flags]) == 0
-    printed = capsys.readouterr().out
-    assert "2 decode steps of 1 x 300 tokens" in printed
-    [row] = [line for line in printed.splitlines() if line.startswith("| `vllm_msa::msa_attention` |")]
+    command = [sys.executable, "-m", "bench.profile_served_decode", str(demo_model), "--context", "300", "--steps", "2"]
+    run = subprocess.run([*command, "--", *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "2 decode steps of 1 x 300 tokens" in run.stdout
+    [row] = [line for line in run.stdout.splitlines() if line.startswith("| `vllm_msa::msa_attention` |")]
     assert row.endswith("| 3.0 |"), row  # the demo's 3 MSA layers (layer 0 is dense), once each per step
 
 
