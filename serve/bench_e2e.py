@@ -60,11 +60,13 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
         [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
         [--port 8123] [--out DIR] [-- extra args for every server]
 
-Issue 4 on one H200 (the three M3 configurations, started together):
+Issue 45 on one H100 (M3's 60-layer mix; FLASH_MSA with bf16 and FP8 index keys and vLLM's M3, started together;
+results/README.md, "Serving on the GPU, seventeenth session"):
 
-    python3 serve/build_m3_model.py /tmp/m3-attn --preset m3-attention
-    python3 serve/bench_e2e.py /tmp/m3-attn --input-lens 32768 131072 --output-len 256 \\
-        --num-prompts 8 --concurrency 4 --parallel-start --out $OUT/e2e -- --kv-cache-memory-bytes 16G
+    python3 serve/build_m3_model.py /tmp/m3mix --preset m3-layer-mix
+    python3 serve/bench_e2e.py /tmp/m3mix --only FLASH_MSA FLASH_MSA-fp8-index MINIMAX_M3_SPARSE \\
+        --input-lens 32768 --output-len 64 --num-prompts 8 --concurrency 1 16 --parallel-start \\
+        --startup-timeout 600 --bench-timeout 200 --out $OUT/e2e -- --kv-cache-memory-bytes 18G
 
 (--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
 which the other servers starting at the same time change.)
