@@ -22,9 +22,11 @@ Presets (--preset):
 - production: the released MiniMax-M3's shapes (60 layers, 3 dense; hidden 6144; 128 experts),
   with --config-only: config.json alone, for `python -m vllm_msa.sizing`.
 
-    python serve/build_m3_model.py OUT_DIR [--preset NAME] [--seed N] [--config-only]
+    python serve/build_m3_model.py OUT_DIR [--preset NAME] [--seed N] [--mtp N] [--config-only]
 
-(NAME: default, m3-attention, m3-attention-1m, m3-layer-mix, production)
+(NAME: default, m3-attention, m3-attention-1m, m3-layer-mix, production). --mtp N adds N multi-token-prediction
+modules (model.mtp.layers.*, each a sparse-attention MoE layer: what vLLM's `minimax_m3_mtp` speculative method
+drafts with; the target model's loader skips them).
 """
 
 from __future__ import annotations
@@ -204,9 +206,7 @@ def checkpoint_tensors(text: dict, seed: int) -> dict:
         linear(f"{name}.{up}", size, H)
         linear(f"{name}.{down}", H, size)
 
-    normal("model.embed_tokens.weight", (V, H), 1.0)
-    for i in range(text["num_hidden_layers"]):
-        p = f"model.layers.{i}"
+    def decoder_layer(p: str, sparse_attention: bool, moe_mlp: bool):
         norm(f"{p}.input_layernorm", H)
         norm(f"{p}.post_attention_layernorm", H)
         linear(f"{p}.self_attn.q_proj", Hq * D, H)
@@ -215,12 +215,12 @@ def checkpoint_tensors(text: dict, seed: int) -> dict:
         linear(f"{p}.self_attn.o_proj", H, Hq * D)
         norm(f"{p}.self_attn.q_norm", D)
         norm(f"{p}.self_attn.k_norm", D)
-        if sparse["sparse_attention_freq"][i]:
+        if sparse_attention:
             linear(f"{p}.self_attn.index_q_proj", Hi * Dp, H)
             linear(f"{p}.self_attn.index_k_proj", Dp, H)
             norm(f"{p}.self_attn.index_q_norm", Dp)
             norm(f"{p}.self_attn.index_k_norm", Dp)
-        if text["moe_layer_freq"][i]:
+        if moe_mlp:
             moe = f"{p}.block_sparse_moe"
             linear(f"{moe}.gate", E, H, torch.float32)
             normal(f"{moe}.e_score_correction_bias", (E,), 0.01, torch.float32)
@@ -235,6 +235,19 @@ def checkpoint_tensors(text: dict, seed: int) -> dict:
             )
         else:
             mlp(f"{p}.mlp", "gate_proj", "up_proj", "down_proj", text["dense_intermediate_size"])
+
+    normal("model.embed_tokens.weight", (V, H), 1.0)
+    for i in range(text["num_hidden_layers"]):
+        decoder_layer(f"model.layers.{i}", bool(sparse["sparse_attention_freq"][i]), bool(text["moe_layer_freq"][i]))
+    # M3's multi-token-prediction draft modules (vLLM's minimax_m3_mtp): each a sparse-attention MoE layer between
+    # norms of the token embedding and of the previous hidden state, joined by eh_proj.
+    for m in range(text["num_mtp_modules"]):
+        p = f"model.mtp.layers.{m}"
+        norm(f"{p}.enorm", H)
+        norm(f"{p}.hnorm", H)
+        linear(f"{p}.eh_proj", H, 2 * H)
+        decoder_layer(f"{p}.transformer_layer", True, True)
+        norm(f"{p}.final_layernorm", H)
     norm("model.norm", H)
     normal("lm_head.weight", (V, H), 2 / math.sqrt(H))
     return tensors
@@ -283,14 +296,24 @@ if __name__ == "__main__":
     )
     parser.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
     parser.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N multi-token-prediction modules (num_mtp_modules; vLLM's speculative method minimax_m3_mtp), default 0",
+    )
+    parser.add_argument(
         "--config-only",
         action="store_true",
         help="write config.json alone (e.g. --preset production, for python -m vllm_msa.sizing)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if args.mtp < 0:
+        parser.error(f"--mtp must be 0 or more, got {args.mtp}")
+    overrides = {**PRESETS[args.preset], "num_mtp_modules": args.mtp}
     if args.config_only:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        write_json(args.out_dir / "config.json", make_config(**PRESETS[args.preset]))
+        write_json(args.out_dir / "config.json", make_config(**overrides))
     else:
-        build_m3_model(args.out_dir, seed=args.seed, **PRESETS[args.preset])
+        build_m3_model(args.out_dir, seed=args.seed, **overrides)

@@ -97,6 +97,23 @@ def test_checkpoint_parses_as_minimax_m3_and_names_every_layer_part(m3_model, te
     assert AutoTokenizer.from_pretrained(m3_model).vocab_size == text_config.vocab_size
 
 
+def test_mtp_modules_are_sparse_moe_layers_under_the_names_vllms_mtp_loader_maps(tmp_path):
+    from safetensors import safe_open
+    from vllm.transformers_utils.config import get_config
+
+    model = build_m3_model(tmp_path / "tiny-m3-mtp", num_mtp_modules=1)
+    assert get_config(str(model), trust_remote_code=False).get_text_config().num_mtp_modules == 1
+    with safe_open(model / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        eh_proj = f.get_slice("model.mtp.layers.0.eh_proj.weight").get_shape()
+    mtp = {n.removeprefix("model.mtp.layers.0.") for n in names if n.startswith("model.mtp.")}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"} <= mtp
+    assert eh_proj == [256, 512]  # [hidden, 2 x hidden]: the embedding and the previous hidden state joined
+    layer = {n.removeprefix("transformer_layer.") for n in mtp if n.startswith("transformer_layer.")}
+    sparse_moe = {n.removeprefix("model.layers.4.") for n in names if n.startswith("model.layers.4.")}
+    assert layer == sparse_moe  # the same parts as a sparse MoE layer of the target
+
+
 def test_flash_msa_owns_vllms_m3_architecture_and_its_config_hook():
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
