@@ -1,7 +1,7 @@
 """Where a served decode step's time goes: the kernels of one engine step, as `vllm serve` would run them.
 
     python3 -m bench.profile_served_decode MODEL_DIR [--context 32768] [--batch 1] [--steps 16] [--top 25]
-        [--trace FILE.json] [-- vllm serve flags, e.g. --attention-backend FLASH_MSA --block-size 128]
+        [--layer-marker KERNEL] [--trace FILE.json] [-- vllm serve flags, e.g. --attention-backend FLASH_MSA]
 
 Builds vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees its GPU work) from the
 same flags `vllm serve` takes, adds --batch requests of --context random prompt tokens (greedy, ignoring EOS), steps
@@ -9,6 +9,11 @@ the engine until every request has its first token (the prefills) and 4 decode s
 --steps decode steps with torch.profiler. Printed: wall time per step (what a token's ITL is made of), the GPU time
 per step summed over kernels and the kernel count per step, then the --top kernels by GPU time per step, with their
 launches per step. Decode steps replay vLLM's CUDA graphs as served; the profiler records the kernels inside them.
+--layer-marker names a kernel launched once per layer (a substring of its name; on MiniMax-M3 checkpoints
+fusedMiniMaxM3RowGroup, the norm + RoPE of every layer): then the times from one marker's start to the next (a
+layer's period: median, min, max) and a period of the median length kernel by kernel (start, duration, end,
+relative to its marker), which shows the gaps and the overlap of dependent launches that summed kernel times hide (on a
+machine without CUDA: CPU ops, nested ones included).
 On a machine without CUDA it profiles the CPU ops instead (self CPU time), which is what the CPU engine runs.
 
 Issue 45: where a cell of serve/bench_e2e.py loses, this on both servers' flags (FLASH_MSA and vLLM's M3 path, the
@@ -35,6 +40,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together")
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled")
     parser.add_argument("--top", type=int, default=25, help="kernels (CPU ops) listed")
+    parser.add_argument("--layer-marker", help="a kernel launched once per layer: print a layer's timeline")
     parser.add_argument("--trace", help="write the profile's Chrome trace here")
     opts = parser.parse_args(ours)
     for name in ("context", "batch", "steps"):
@@ -46,8 +52,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def build_engine(model_dir: str, context: int, batch: int, steps: int, engine_flags: list[str]):
     """vLLM's engine from `vllm serve` flags, sized for the run unless the flags say otherwise."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.llm_engine import LLMEngine
+
+    load_general_plugins()  # as `vllm serve` does first: FLASH_MSA's name must be known when the flags are read
 
     defaults = ["--max-model-len", str(context + steps + WARMUP_DECODE_STEPS + 8), "--max-num-seqs", str(batch)]
     given = {flag.split("=")[0] for flag in engine_flags if flag.startswith("--")}
@@ -113,6 +122,29 @@ def kernel_table(events, steps: int, on_gpu: bool, top: int) -> str:
     return "\n".join(lines)
 
 
+def layer_timeline(kernels: list[tuple[str, float, float]], marker: str) -> str:
+    """kernels: (name, start us, duration us) of the profiled kernels. The periods between consecutive launches of
+    the marker kernel (median, min, max), then a period of the median length kernel by kernel, relative to its
+    marker."""
+    kernels = sorted(kernels, key=lambda kernel: kernel[1])
+    marks = [i for i, (name, _, _) in enumerate(kernels) if marker in name]
+    if len(marks) < 2:
+        return f"layer timeline: the marker {marker!r} ran {len(marks)} time(s), a period needs 2"
+    periods = sorted((kernels[b][1] - kernels[a][1], a, b) for a, b in zip(marks, marks[1:]))
+    median, first, last = periods[len(periods) // 2]
+    origin = kernels[first][1]
+    lines = [
+        f"layer period (marker {marker!r}, {len(periods)} periods): median {median:.2f} us, min {periods[0][0]:.2f} "
+        f"us, max {periods[-1][0]:.2f} us; a period of the median length:",
+        "| start us | duration us | end us | kernel |",
+        "|---|---|---|---|",
+    ]
+    for name, start, duration in kernels[first : last + 1]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| {start - origin:.2f} | {duration:.2f} | {start + duration - origin:.2f} | `{short}` |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts, engine_flags = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, profiled
@@ -146,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         f"wall per step median {wall[len(wall) // 2] * 1e3:.2f} ms, min {wall[0] * 1e3:.2f} ms (under the profiler)"
     )
     print(kernel_table(prof.events(), opts.steps, on_gpu, opts.top), flush=True)
+    if opts.layer_marker:
+        from torch.autograd import DeviceType
+
+        device = DeviceType.CUDA if on_gpu else DeviceType.CPU
+        kernels = [
+            (event.name, event.time_range.start, event.time_range.elapsed_us())
+            for event in prof.events()
+            if event.device_type == device
+        ]
+        print(layer_timeline(kernels, opts.layer_marker), flush=True)
     while engine.has_unfinished_requests():  # the requests end as they would on a server
         engine.step()
     return 0

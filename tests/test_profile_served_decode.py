@@ -16,11 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_profiles_decode_steps_with_each_msa_layer_called_once_a_step(demo_model):
     flags = ["--dtype", "float32", "--kv-cache-memory-bytes", "1G", "--enforce-eager"]
     command = [sys.executable, "-m", "bench.profile_served_decode", str(demo_model), "--context", "300", "--steps", "2"]
+    command += ["--layer-marker", "vllm_msa::msa_attention"]
     run = subprocess.run([*command, "--", *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "2 decode steps of 1 x 300 tokens" in run.stdout
     [row] = [line for line in run.stdout.splitlines() if line.startswith("| `vllm_msa::msa_attention` |")]
     assert row.endswith("| 3.0 |"), row  # the demo's 3 MSA layers (layer 0 is dense), once each per step
+    assert "layer period (marker 'vllm_msa::msa_attention', 5 periods)" in run.stdout  # 2 steps x 3 layers
+
+
+def test_layer_timeline_gives_the_periods_and_one_of_median_length_relative_to_its_marker():
+    kernels = [("norm", 0.0, 2.0), ("attn", 3.0, 4.0), ("norm", 10.0, 2.0), ("attn", 12.5, 1.0), ("norm", 30.0, 1.0)]
+    kernels += [("attn", 31.0, 2.0), ("norm", 42.0, 1.0)]  # periods 10, 20, 12: the median one is 30 -> 42
+    text = profile_served_decode.layer_timeline(kernels[::-1], "norm")  # any order: sorted by start
+    assert "3 periods): median 12.00 us, min 10.00 us, max 20.00 us" in text
+    assert text.splitlines()[-3:] == [
+        "| 0.00 | 1.00 | 1.00 | `norm` |",
+        "| 1.00 | 2.00 | 3.00 | `attn` |",
+        "| 12.00 | 1.00 | 13.00 | `norm` |",
+    ]
+    assert "ran 1 time(s), a period needs 2" in profile_served_decode.layer_timeline(kernels[:2], "norm")
 
 
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch", "0"], ["--context", "-1"]])

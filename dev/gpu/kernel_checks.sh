@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, after `source dev/gpu/install_vllm.sh`: reinstall the plugin (--upgrade: otherwise pip
-# keeps the msa_kernels already in /tmp/site) and run the kernel checks and benchmarks named, each with its
+# On the GPU machine, after `source dev/gpu/install_vllm.sh` (which reinstalls the plugin from this tree): run the
+# kernel checks and benchmarks named, each with its
 # own time limit and one summary line here; their logs (and the peer table's report and plots) come back as
 # $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
 # so a call cut off at its limit still brings back the checks that finished.
@@ -15,8 +15,6 @@ cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?run on the GPU machine: \$OUT is the folder a device call brings back}"
 out=/tmp/kernel_checks
 rm -rf "$out" && mkdir -p "$out"
-python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . \
-  > "$out/plugin_install.log" 2>&1 || { tail "$out/plugin_install.log"; exit 1; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 sanitize=(compute-sanitizer --report-api-errors no)
 # The kernel tests in 8 processes (pytest-xdist, on the GPU image) where it imports: most of their time is compiling

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, after `source dev/gpu/install_vllm.sh`: install the plugin next to the staged
-# vLLM, build the demo MSA model and start the real `vllm serve --attention-backend FLASH_MSA` in its
+# On the GPU machine, after `source dev/gpu/install_vllm.sh` (which installs the plugin next to the staged
+# vLLM): build the demo MSA model and start the real `vllm serve --attention-backend FLASH_MSA` in its
 # own process session, so it outlives this device call and serves the next calls while the machine
 # stays warm. Returns at once; dev/gpu/wait_server.sh waits for /health.
 #   PRESET=m3-attention PORT=8000 bash dev/gpu/start_server.sh [more `vllm serve` flags]
@@ -11,8 +11,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 port=${PORT:-8000}; preset=${PRESET:-default}
 dir=/tmp/gpu-server; mkdir -p "$dir"
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . > "$dir/plugin.log" 2>&1 \
-  || { cat "$dir/plugin.log"; exit 1; }
 model=${MODEL:-/tmp/demo-msa-$preset}
 if [ -z "${MODEL:-}" ]; then
   python3 serve/build_demo_model.py "$model" --preset "$preset" > "$dir/build-$preset.log" 2>&1 \
