@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine, after `source dev/gpu/install_vllm.sh` (which reinstalls the plugin from this tree): run the
-# kernel checks and benchmarks named, each with its
-# own time limit and one summary line here; their logs (and the peer table's report and plots) come back as
-# $OUT/kernel_checks.tgz (a device call brings back few files: one archive), packed again after each check,
-# so a call cut off at its limit still brings back the checks that finished.
+# On the GPU machine, after sourcing a kit's install (dev/gpu/install_vllm.sh, or .devkit/install.sh for the
+# kernels alone), with this tree's kernels and benchmarks first on PYTHONPATH: run the kernel checks and
+# benchmarks named, each with its own time limit and one summary line here; their logs (and the peer table's
+# report and plots) come back as $OUT/kernel_checks.tgz (a device call brings back few files: one archive),
+# packed again after each check, so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
 #     [prefill_1m] [prefill_attention] [peers] [long] [host] [profile_prefill]
 # (none named: tests, then dense+memcheck: up to 680 s, more than one device call: run it under dev/gpu/background.sh).
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?run on the GPU machine: \$OUT is the folder a device call brings back}"
 out=/tmp/kernel_checks
 rm -rf "$out" && mkdir -p "$out"
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
 sanitize=(compute-sanitizer --report-api-errors no)
 # The kernel tests in 8 processes (pytest-xdist, on the GPU image) where it imports: most of their time is compiling
 # kernel variants on the host (1-4 s each), which the machine's 16 cores do side by side; one GPU runs them all.
