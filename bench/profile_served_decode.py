@@ -92,6 +92,11 @@ def step_until_decoding(engine, batch: int) -> int:
     return steps
 
 
+def short_name(name: str) -> str:
+    """A kernel's name cut to 90 characters for a table row."""
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
 def kernel_table(events, steps: int, on_gpu: bool, top: int) -> str:
     """Per step: GPU time and launches of each kernel (on_gpu), else self CPU time and calls of each CPU op."""
     from torch.autograd import DeviceType
@@ -117,8 +122,7 @@ def kernel_table(events, steps: int, on_gpu: bool, top: int) -> str:
         "|---|---|---|---|",
     ]
     for name, us in sorted(time_us.items(), key=lambda item: -item[1])[:top]:
-        short = name if len(name) <= 90 else name[:87] + "..."
-        lines.append(f"| `{short}` | {us / steps:.2f} | {us / total:.1%} | {calls[name] / steps:.1f} |")
+        lines.append(f"| `{short_name(name)}` | {us / steps:.2f} | {us / total:.1%} | {calls[name] / steps:.1f} |")
     return "\n".join(lines)
 
 
@@ -140,8 +144,8 @@ def layer_timeline(kernels: list[tuple[str, float, float]], marker: str) -> str:
         "|---|---|---|---|",
     ]
     for name, start, duration in kernels[first : last + 1]:
-        short = name if len(name) <= 90 else name[:87] + "..."
-        lines.append(f"| {start - origin:.2f} | {duration:.2f} | {start + duration - origin:.2f} | `{short}` |")
+        end = start + duration - origin
+        lines.append(f"| {start - origin:.2f} | {duration:.2f} | {end:.2f} | `{short_name(name)}` |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
 # shellcheck shell=bash  # sourced, not run: no shebang names the shell
 # On the GPU machine, sourced (after recv_vllm.sh has collected every part): join the parts, check
 # them, unpack the wheels and install them into /tmp/site (VLLM_SITE overrides), then set
-# PYTHONPATH and PATH, and install the plugin from this tree next to vLLM (every time, a few seconds: `vllm serve`,
-# serve/bench_e2e.py and in-process engines find FLASH_MSA by its entry point, so a chain that skips
-# dev/gpu/start_server.sh still serves FLASH_MSA). Safe to source again on a warm machine: it skips a kit install
-# already done.
+# PYTHONPATH and PATH, and install the plugin from this tree next to vLLM (`vllm serve`, serve/bench_e2e.py and
+# in-process engines find FLASH_MSA by its entry point, so a chain that skips dev/gpu/start_server.sh still serves
+# FLASH_MSA). Safe to source again on a warm machine: it skips a kit install already done, and a plugin install of
+# the same tree (a chain running from /tmp/site is not rewritten under it by the calls that wait for it).
 # Installs with pip --no-deps --no-index --target, as ../shared/devkit/install.sh does; the kit holds
 # CuTeDSL 4.8.0 too, so that kit is not needed beside this one.
 _vk=/tmp/devkit-vllm
@@ -46,10 +46,16 @@ case ":${PYTHONPATH:-}:" in
   *) export PYTHONPATH=$_vsite:$_vsite/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} ;;
 esac
 case ":$PATH:" in *":$_vsite/bin:"*) ;; *) export PATH=$_vsite/bin:$PATH ;; esac
-if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$_vsite" \
-    "$(dirname "${BASH_SOURCE[0]}")/../.." > /tmp/devkit-vllm-plugin.log 2>&1; then
-  cat /tmp/devkit-vllm-plugin.log >&2; echo "devkit-vllm: the plugin (vllm_msa) did not install into $_vsite" >&2
-  return 1
+_vtree=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+_vplugin=$(cd "$_vtree" && find pyproject.toml vllm_msa kernels/msa_kernels -type f \( -name '*.py' -o -name '*.toml' \) \
+  | sort | xargs cat | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$_vsite/.vllm-msa-tree" 2>/dev/null)" != "$_vplugin" ]; then
+  if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target "$_vsite" "$_vtree" \
+      > /tmp/devkit-vllm-plugin.log 2>&1; then
+    cat /tmp/devkit-vllm-plugin.log >&2; echo "devkit-vllm: the plugin (vllm_msa) did not install into $_vsite" >&2
+    return 1
+  fi
+  echo "$_vplugin" > "$_vsite/.vllm-msa-tree"
 fi
 echo "devkit-vllm: vllm $(cat "$_vsite"/vllm-*.dist-info/METADATA | sed -n 's/^Version: //p') installed in $_vsite with the plugin (PYTHONPATH and PATH set)"
-unset _vk _vsite _vsha _vt _vn _vhave
+unset _vk _vsite _vsha _vt _vn _vhave _vtree _vplugin
