@@ -45,7 +45,7 @@ def paged_problem(requests: list[tuple[int, int]], shape: MSAShape = M3_SHAPE, s
     def randn(*size):
         return torch.randn(*size, device=device, generator=g).to(torch.bfloat16)
 
-    kv = randn(sum(blocks), 2, b, shape.num_kv_heads, shape.head_dim)
+    kv = reference.kv_planes(randn(sum(blocks), shape.num_kv_heads, b, 2 * shape.head_dim))  # vLLM's layout
     index_cache = randn(sum(blocks), b, shape.num_index_key_heads, shape.index_head_dim)
     q = randn(tokens, shape.num_q_heads, shape.head_dim)
     index_q = randn(tokens, shape.num_index_heads, shape.index_head_dim)
@@ -77,7 +77,8 @@ def prefill_problem(
     b = shape.block_size
     blocks = -(-context // b)
     pages = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).view(1, blocks)
-    kv = torch.randn(blocks, 2, b, shape.num_kv_heads, shape.head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(blocks, shape.num_kv_heads, b, 2 * shape.head_dim, device="cuda", generator=g)
+    kv = reference.kv_planes(kv.to(torch.bfloat16))  # vLLM's layout
     q = torch.randn(context, shape.num_q_heads, shape.head_dim, device="cuda", generator=g).to(torch.bfloat16)
     batch = PagedBatch(
         query_start_loc=torch.tensor([0, context], device="cuda", dtype=torch.int32),

@@ -18,7 +18,7 @@ from msa_kernels import reference
 from msa_kernels.fp8_index_keys import E4M3_MAX
 from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch
-from msa_kernels.testing import PagedCase, make_case
+from msa_kernels.testing import PagedCase, bound_kv_cache, make_case
 from vllm_msa.backend import FlashMSAImpl, FlashMSAMetadata, dense_flash_attn_version, write_paged
 
 # (q_lens, seq_lens): decode, prefill, chunked prefill, ragged mix (contexts off the 128 grid)
@@ -116,7 +116,7 @@ def test_dense_path_is_dense_causal_attention(device, batch_name):
     if device == "cuda":
         assert dense_flash_attn_version(case.q.device, case.q.dtype, DENSE_SHAPE.head_dim) == 3, "Hopper runs FA3"
     out = torch.full_like(case.q, float("nan"))
-    impl.forward(None, case.q, None, None, case.kv_cache.flatten(-2), _metadata(case.batch), out)
+    impl.forward(None, case.q, None, None, bound_kv_cache(case.kv_cache), _metadata(case.batch), out)
     bf16 = case.q.dtype == torch.bfloat16
     _assert_close(out, _want(case), 0.99 if bf16 else 0.999999, 1e-2 if bf16 else 1e-5)
 
@@ -138,7 +138,7 @@ def test_dense_path_on_an_fp8_kv_cache_is_dense_attention_over_its_dequantised_p
     flash_attn = dense_flash_attn_version(case.q.device, case.q.dtype, DENSE_SHAPE.head_dim, fp8_kv=True)
     assert flash_attn == (3 if device == "cuda" else None), "Hopper's FA3 reads FP8 pages"
     out = torch.full_like(case.q, float("nan"))
-    impl.forward(layer, case.q, None, None, fp8_cache.flatten(-2), _metadata(case.batch), out)
+    impl.forward(layer, case.q, None, None, bound_kv_cache(fp8_cache), _metadata(case.batch), out)
     want = _fp8_want(case, fp8_cache, e4m3_queries=flash_attn is not None)
     _assert_close(out, want, 0.999 if device == "cuda" else 0.999999, FA3_FP8_REL_ERR if device == "cuda" else 1e-5)
 
@@ -198,10 +198,10 @@ def test_dense_path_replayed_from_a_cuda_graph_on_longer_contexts_matches(fp8_kv
         shape.num_q_heads, shape.head_dim, case.scale, shape.num_kv_heads, None, None, "fp8" if fp8_kv else "auto"
     )
     assert impl.graph_capturable(q.device, q.dtype)
-    impl.forward(layer, q, None, None, kv_cache.flatten(-2), metadata, out)  # warm up outside the capture
+    impl.forward(layer, q, None, None, bound_kv_cache(kv_cache), metadata, out)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(layer, q, None, None, kv_cache.flatten(-2), metadata, out)
+        impl.forward(layer, q, None, None, bound_kv_cache(kv_cache), metadata, out)
     qsl[n + 1 :] = n
     lens.copy_(torch.tensor(seq_lens + [0] * (padded - n), dtype=torch.int32))
     table.zero_()

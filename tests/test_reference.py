@@ -13,12 +13,14 @@ from msa_kernels.reference import (
     FP8_KV_STORAGE,
     fp8_kv_cache,
     index_block_scores,
+    kv_planes,
+    new_kv_cache,
     sparse_attention,
     topk_blocks,
     write_paged,
 )
 from msa_kernels.shapes import PagedBatch
-from msa_kernels.testing import make_case, small_shape
+from msa_kernels.testing import bound_kv_cache, make_case, small_shape
 from tests.naive_msa import naive_msa
 
 # (q_lens, seq_lens): decode, prefill, chunked prefill, ragged mixes, lengths off the block grid,
@@ -140,6 +142,20 @@ def test_write_paged_skips_padding_slots_and_handles_strided_views():
     flat = cache[:, 1].reshape(-1, 1, 2)
     assert flat[5].tolist() == [[0.0, 1.0]] and flat[0].tolist() == [[4.0, 5.0]] and flat[11].tolist() == [[6.0, 7.0]]
     assert cache[:, 0].abs().sum() == 0 and flat.abs().sum() == sum(range(8)) - 2 - 3
+
+
+def test_kv_planes_reads_vllms_cache_layout_as_k_and_v_planes():
+    """vLLM's K/V page [Hkv, B, 2 * D] holds a head's K and V of a token side by side; kv_planes' view
+    [pages, 2, B, Hkv, D] reads them as planes, bound_kv_cache gives the tensor back."""
+    shape = small_shape()
+    bound = torch.randn(3, shape.num_kv_heads, shape.block_size, 2 * shape.head_dim)
+    planes = kv_planes(bound)
+    assert planes.shape == (3, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    assert torch.equal(planes[2, 0, 5, 1], bound[2, 1, 5, : shape.head_dim])  # K of head 1, token 5 of page 2
+    assert torch.equal(planes[2, 1, 5, 1], bound[2, 1, 5, shape.head_dim :])  # its V
+    assert bound_kv_cache(planes).data_ptr() == bound.data_ptr() and torch.equal(bound_kv_cache(planes), bound)
+    fresh = new_kv_cache(2, shape, torch.bfloat16, fill=1.5)
+    assert bound_kv_cache(fresh).is_contiguous() and (fresh == 1.5).all()
 
 
 def test_fp8_kv_cache_is_written_as_e4m3_of_value_over_scale_and_attended_dequantised():

@@ -140,12 +140,6 @@ CALLS = [
         lambda p: p.backend.get_supported_kernel_block_sizes(p.spec),
     ),
     (
-        "FlashMSABackend.customize_spec",
-        "both",
-        "worker/utils.py:474 backend.customize_spec(spec)",
-        lambda p: p.backend.customize_spec(p.spec),
-    ),
-    (
         "FlashMSABackend.supported_kv_cache_layouts",
         "both",
         "attention/backends/utils.py:267 backend.supported_kv_cache_layouts()",

@@ -22,13 +22,14 @@ full graphs for uniform decode batches (vLLM's UNIFORM_BATCH: one new token per 
 speculative decoding the same 1 + num_speculative_tokens per request); other batches run the layers
 eagerly between piecewise graphs.
 
-K/V cache page layout: [num_pages, 2, block_size, num_kv_heads, head_dim], page size == MSA block
-(vLLM binds [num_pages, 2, block_size, num_kv_heads * head_dim]; paged_kv views it).
+K/V cache page layout: vLLM's own, as its FlashAttention and MiniMax-M3 backends hold it: [num_pages, num_kv_heads,
+block_size, 2 * head_dim] (a head's K and V of a token side by side), page size == MSA block; the kernels read it
+through reference.kv_planes' view [num_pages, 2, block_size, num_kv_heads, head_dim].
 """
 
 import functools
 from abc import abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
@@ -45,7 +46,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheSpec
 
 from msa_kernels import ops, reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
@@ -85,17 +86,8 @@ class FlashMSABackend(AttentionBackend):
         return FlashMSAMetadataBuilder
 
     @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """K and V as two planes of a page: [2, block_size, Hkv * D] (see paged_kv)."""
-        if spec.state_content_bytes is not None:
-            return spec
-        return replace(
-            spec, num_head_slots=2, state_content_bytes=spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
-        )
-
-    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)  # each layer's pages contiguous, each page [planes, tokens, content]
+        return (KVCacheLayout.LBHNC,)  # each layer's pages contiguous, each page [Hkv, B, 2 * D] (kv_planes)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -252,7 +244,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
+        kv_cache = reference.kv_planes(kv_cache)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer)
 
     def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -291,7 +283,7 @@ class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
             return output.fill_(0)
         plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
         batch = plan.batch
-        kv_cache = paged_kv(kv_cache, self.num_kv_heads, self.head_size)
+        kv_cache = reference.kv_planes(kv_cache)
         fp8_kv = reference.is_fp8_kv(kv_cache)
         version = dense_flash_attn_version(query.device, query.dtype, self.head_size, fp8_kv)
         if version is not None:
@@ -366,7 +358,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     ) -> None:
         """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (index_slots: the
         index-key cache's; an FP8 K/V cache with the layer's K/V scales, index keys quantised for an FP8 cache)."""
-        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
+        kv_cache = reference.kv_planes(kv_cache)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
         if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
             self.kernels.write_index_keys(index_key_cache, index_slots, index_key)
@@ -398,7 +390,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         """Attention of each query token [T, Hq, D] over its selected blocks, into output (an FP8 K/V cache read with
         the layer's K/V scales)."""
         n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
-        kv_cache = paged_kv(kv_cache, self.shape.num_kv_heads, self.shape.head_dim)
+        kv_cache = reference.kv_planes(kv_cache)
         self.kernels.sparse_attention(
             query[:n],
             kv_cache,
@@ -510,12 +502,6 @@ def layer_scale_tensors(layer: object, device: torch.device) -> tuple[torch.Tens
             "not served; serve it without --kv-cache-dtype fp8"
         )
     return q_scale, k_scale, v_scale
-
-
-def paged_kv(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """A layer's K/V cache as vLLM binds it, [num_pages, 2, block_size, Hkv * D] (FlashMSABackend.customize_spec,
-    layout LBHNC), as the kernels read it: [num_pages, 2, block_size, Hkv, D]."""
-    return kv_cache.unflatten(-1, (num_kv_heads, head_size))
 
 
 def write_paged(

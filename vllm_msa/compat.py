@@ -203,6 +203,15 @@ def step_attn_metadata() -> "dict[str, AttentionMetadata] | list[dict[str, Atten
     return get_forward_context().attn_metadata
 
 
+def step_slot_mapping() -> "dict[str, torch.Tensor]":
+    """The step's slot mapping of each KV cache layer by name (vLLM's forward context; empty in the memory-profiling
+    run, where no cache is bound)."""
+    from vllm.forward_context import get_forward_context
+
+    slots = get_forward_context().slot_mapping
+    return slots if isinstance(slots, dict) else {}
+
+
 def step_layer(name: str) -> AttentionLayerBase:
     """The layer registered under name (register_attention_layer), from inside the step's forward."""
     from vllm.forward_context import get_forward_context

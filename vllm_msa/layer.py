@@ -67,6 +67,9 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
+        # True where the model's own pre-attention op stores the step's K/V and index keys (MiniMax-M3's fused
+        # norm/RoPE op: inserted_by_model_op); the layer then writes neither.
+        self.caches_written_by_model = False
         compat.register_attention_layer(prefix, self)
         OBSERVER.register(prefix, layout)
 
@@ -126,16 +129,17 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         index_key_cache = self.index_key_cache.pages()
         clock = OBSERVER.stage_clock(q.device)  # None unless this call is timed
         key, value = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
-        impl.write_caches(
-            self,
-            key,
-            value,
-            index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
-            self.kv_cache,
-            index_key_cache,
-            metadata,
-            index_slots,
-        )
+        if not self.caches_written_by_model:
+            impl.write_caches(
+                self,
+                key,
+                value,
+                index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
+                self.kv_cache,
+                index_key_cache,
+                metadata,
+                index_slots,
+            )
         if self.fp8_kv:
             OBSERVER.count_saturated(key, value, metadata, layer_kv_scales(self))
         if clock is not None:
@@ -156,14 +160,12 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
 
 def kv_cache_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
     """The K/V cache spec FLASH_MSA gives vLLM for a layer of this (per-rank) shape, MSA or dense."""
-    return FlashMSABackend.customize_spec(
-        FullAttentionSpec(
-            block_size=shape.block_size,
-            num_kv_heads=shape.num_kv_heads,
-            head_size=shape.head_dim,
-            head_size_v=shape.head_dim,
-            dtype=dtype,
-        )
+    return FullAttentionSpec(  # vLLM's page [Hkv, B, 2 * D], as its FlashAttention backend's (reference.kv_planes)
+        block_size=shape.block_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_size=shape.head_dim,
+        head_size_v=shape.head_dim,
+        dtype=dtype,
     )
 
 

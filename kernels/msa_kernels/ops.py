@@ -18,7 +18,7 @@ accepts its dtype and shape, else the next kernel of the list, else the PyTorch 
     top-k             topk_blocks.py (fp32 scores)         topk_blocks.py (fp32 scores)
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (bf16 K/V), else
                       combine.py                           sparse_attn.py (an FP8 K/V cache)
-                      (a strided K/V cache: the reference)
+                      (a K/V cache whose head dim is strided: the reference)
     FP8 index keys    fp8_index_key_write.py: the step's index keys quantised on the device
 
 A mixed step runs as its two parts, into slices of one output. A step of one phase runs as it is. A decode part
@@ -104,7 +104,7 @@ class Steps(NamedTuple):
     are freed after top-k);
     topk(scores, positions, shape, out);
     attention(q, kv_cache, batch, selected, shape, scale, out=, kv_scales=, workspace=) on a contiguous K/V cache of
-    the chooser's kind (bf16 or FP8; a strided one runs the reference)."""
+    the chooser's kind (bf16 or FP8; one whose head dim is strided runs the reference)."""
 
     index_scores: Callable
     selection_scores: Callable
@@ -177,9 +177,10 @@ class Kernels(NamedTuple):
     ) -> torch.Tensor:
         """Exact-softmax GQA attention over the selected blocks, [T, Hq, D] in q's dtype (into out if given), on a
         K/V cache of the kind these kernels were chosen for (bf16, or FP8 dequantised with kv_scales = (k_scale,
-        v_scale)); a strided K/V cache runs the reference."""
+        v_scale)); the kernels read any view with the head dim innermost (vLLM's cache through reference.kv_planes),
+        a K/V cache whose head dim is strided runs the reference."""
         result = out if out is not None else q.new_empty((plan.batch.num_tokens, shape.num_q_heads, shape.head_dim))
-        if not kv_cache.is_contiguous():
+        if kv_cache.stride(-1) != 1:
             return reference.sparse_attention(
                 q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
             )
@@ -316,7 +317,8 @@ def uses_cute_index_scores(
 
 
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
-    """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a contiguous bf16 K/V cache)."""
+    """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a bf16 K/V cache whose head dim
+    is contiguous)."""
     return kernels(q.device, q.dtype, q.dtype, False, shape).steps(phase).attention is not _reference_attention
 
 

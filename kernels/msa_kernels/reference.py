@@ -7,7 +7,9 @@ batch (decode, prefill or a mix of both):
   sparse_attention    exact-softmax GQA attention over the selected blocks of the paged K/V cache
 
 Layouts (vLLM's, page size == block size B):
-  index_key_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1])
+  index_key_cache [num_pages, B, Hki, Dp]      kv_cache [num_pages, 2, B, Hkv, D]   (K at [:, 0], V at [:, 1]):
+  kv_planes' view of the cache vLLM allocates, [num_pages, Hkv, B, 2 * D] (a head's K and V of a token side by
+  side, as vLLM's FlashAttention and MiniMax-M3 backends hold it); new_kv_cache makes one
   or an FP8 index-key cache (msa_kernels.fp8_index_keys: e4m3 pages with per-token float32 scales), scored
   as FP8 MMAs score it: keys dequantised (e4m3 x scale), index queries rounded to FP8 the same way.
   An FP8 K/V cache is vLLM's (--kv-cache-dtype fp8): uint8 storage of the e4m3 values of K / k_scale and
@@ -166,6 +168,22 @@ def sparse_attention(
     return out
 
 
+def kv_planes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's K/V cache [num_pages, Hkv, B, 2 * D] as the view [num_pages, 2, B, Hkv, D] (K at [:, 0], V at [:, 1])
+    that the kernels and this module read."""
+    return kv_cache.unflatten(-1, (2, kv_cache.shape[-1] // 2)).permute(0, 3, 2, 1, 4)
+
+
+def new_kv_cache(
+    num_pages: int, shape: MSAShape, dtype: torch.dtype, device: str | torch.device = "cpu", fill: float = 0.0
+) -> torch.Tensor:
+    """A K/V cache laid out as vLLM allocates it, filled with `fill`, as kv_planes' view [num_pages, 2, B, Hkv, D]."""
+    cache = torch.full(
+        (num_pages, shape.num_kv_heads, shape.block_size, 2 * shape.head_dim), fill, dtype=dtype, device=device
+    )
+    return kv_planes(cache)
+
+
 def _read_kv(pages: torch.Tensor, dtype: torch.dtype, kv_scales: tuple[float, float]) -> torch.Tensor:
     """K/V pages [u, 2, B, Hkv, D] in dtype: FP8 ones dequantised (e4m3 x k_scale, x v_scale)."""
     if not is_fp8_kv(pages):
@@ -190,8 +208,12 @@ def write_paged(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.T
 
 
 def fp8_kv_cache(kv_cache: torch.Tensor, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-    """A whole K/V cache [pages, 2, B, Hkv, D] as vLLM's FP8 cache holds it: every slot written by write_paged."""
-    fp8 = torch.zeros(kv_cache.shape, dtype=FP8_KV_STORAGE, device=kv_cache.device)
+    """A whole K/V cache [pages, 2, B, Hkv, D] as vLLM's FP8 cache holds it (laid out as new_kv_cache's): every slot
+    written by write_paged."""
+    pages, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    fp8 = kv_planes(
+        torch.zeros(pages, num_kv_heads, block_size, 2 * head_dim, dtype=FP8_KV_STORAGE, device=kv_cache.device)
+    )
     slots = torch.arange(kv_cache.shape[0] * kv_cache.shape[2], device=kv_cache.device)
     for i, scale in enumerate(kv_scales):
         write_paged(fp8[:, i], slots, kv_cache[:, i].flatten(0, 1), fp8_scale=scale)

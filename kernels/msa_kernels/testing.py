@@ -112,6 +112,12 @@ class PagedCase:
         return (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v).transpose(0, 1)
 
 
+def bound_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The tensor vLLM binds to a layer behind a K/V cache view [pages, 2, B, Hkv, D] of reference.new_kv_cache's
+    layout: [pages, Hkv, B, 2 * D] (reference.kv_planes' inverse, a view)."""
+    return kv_cache.permute(0, 3, 2, 1, 4).flatten(-2)
+
+
 def make_case(
     shape: MSAShape,
     q_lens: list[int],
@@ -130,7 +136,7 @@ def make_case(
     num_pages = sum(blocks) + spare_pages
     order = torch.randperm(num_pages, generator=g)
     table = torch.zeros(len(seq_lens), max(1, max(blocks)), dtype=torch.int32)
-    kv_cache = torch.full((num_pages, 2, b, shape.num_kv_heads, shape.head_dim), float("nan"), dtype=dtype)
+    kv_cache = reference.new_kv_cache(num_pages, shape, dtype, fill=float("nan"))
     index_key_cache = torch.full(
         (num_pages, b, shape.num_index_key_heads, shape.index_head_dim), float("nan"), dtype=dtype
     )
@@ -159,7 +165,7 @@ def make_case(
         batch=batch,
         q=q.to(device),
         index_q=index_q.to(device),
-        kv_cache=kv_cache.to(device),
+        kv_cache=kv_cache.to(device),  # .to keeps the strides of vLLM's layout
         index_key_cache=index_key_cache.to(device),
         scale=shape.head_dim**-0.5,
     )

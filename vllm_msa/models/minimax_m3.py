@@ -97,13 +97,29 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         self.attn = MSAAttention(
             layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype, quant_config
         )
+        # vLLM's fused op stores K/V and index keys as its own M3 backend keeps them: a bf16/fp16 K/V cache in vLLM's
+        # layout (FLASH_MSA's too) and a bf16/fp16 index-key cache. An FP8 cache of either keeps FLASH_MSA's writes
+        # (its checkpoint K/V scales, its FP8 index-key pages).
+        self.attn.caches_written_by_model = self.attn.kv_cache_dtype == "auto" and index_key_dtype.is_floating_point
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
         qkv, _ = self.qkv_proj(hidden_states)
         q = qkv.new_empty((qkv.shape[0], self.q_size))
         index_q = qkv.new_empty((qkv.shape[0], self.index_q_size))
-        # In place on k and index_k inside qkv; q and index_q written to their own buffers.
+        # In place on k and index_k inside qkv; q and index_q written to their own buffers; K/V and index keys
+        # stored in the layer's caches where it lets the op write them (no slot mapping: the memory-profiling run).
+        slots = compat.step_slot_mapping()
+        insert = {}
+        if self.attn.caches_written_by_model and slots:
+            index_keys = self.attn.index_key_cache
+            insert = dict(
+                slot_mapping=slots[self.attn.layer_name],
+                index_slot_mapping=slots[index_keys.prefix],
+                kv_cache=self.attn.kv_cache,
+                index_cache=index_keys.pages().flatten(-2),
+                block_size=s.block_size,
+            )
         compat.m3_qknorm_rope(
             qkv,
             self.q_norm.weight,
@@ -119,6 +135,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
             s.num_index_heads,
             q_out=q,
             index_q_out=index_q,
+            **insert,
         )
         _, k, v, _, index_k = qkv.split(
             [self.q_size, self.kv_size, self.kv_size, self.index_q_size, s.index_head_dim], dim=-1

@@ -465,7 +465,8 @@ def sparse_attention(
     (reference.is_fp8_kv, dequantised with kv_scales = (k_scale, v_scale)) K/V cache and int32 selections on
     Hopper: one token per CTA, split-K merged by combine.py where splits > 1.
 
-    kv_cache must be contiguous; q and out may be strided views. splits: split-K CTAs per (token, head
+    kv_cache: [pages, 2, B, Hkv, D] with D innermost, any other strides 16-byte aligned (vLLM's cache through
+    reference.kv_planes); q and out may be strided views. splits: split-K CTAs per (token, head
     tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block). workspace:
     where the split partials go (the step part's, reused by its next layer), else new tensors.
     """

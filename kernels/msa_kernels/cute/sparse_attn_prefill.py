@@ -433,7 +433,8 @@ def prefill_sparse_attention(
     """Same contract as msa_kernels.reference.sparse_attention, for bf16 inputs on Hopper: this kernel on each
     request's tiles of consecutive tokens.
 
-    kv_cache must be contiguous; q and out may be strided views. workspace: where the kernel's handled flags go (the
+    kv_cache: [pages, 2, B, Hkv, D] with D innermost, any other strides 16-byte aligned (vLLM's cache through
+    reference.kv_planes); q and out may be strided views. workspace: where the kernel's handled flags go (the
     step part's, reused by its next layer), else a new tensor.
     """
     heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads)
