@@ -68,7 +68,7 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         )
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         # True where the model's own pre-attention op stores the step's K/V and index keys (MiniMax-M3's fused
-        # norm/RoPE op: inserted_by_model_op); the layer then writes neither.
+        # norm/RoPE op, models/minimax_m3.py); the layer then writes neither.
         self.caches_written_by_model = False
         compat.register_attention_layer(prefix, self)
         OBSERVER.register(prefix, layout)
