@@ -117,7 +117,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
                 slot_mapping=slots[self.attn.layer_name],
                 index_slot_mapping=slots[index_keys.prefix],
                 kv_cache=self.attn.kv_cache,
-                index_cache=index_keys.pages().flatten(-2),
+                index_cache=index_keys.kv_cache.squeeze(1),  # [pages, B, Hki * Dp]: a bf16/fp16 cache here
                 block_size=s.block_size,
             )
         compat.m3_qknorm_rope(
