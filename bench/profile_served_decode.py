@@ -7,8 +7,9 @@ Builds vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the p
 same flags `vllm serve` takes, adds --batch requests of --context random prompt tokens (greedy, ignoring EOS), steps
 the engine until every request has its first token (the prefills) and 4 decode steps more (warm-up), then profiles
 --steps decode steps with torch.profiler. Printed: wall time per step (what a token's ITL is made of), the GPU time
-per step summed over kernels and the kernel count per step, then the --top kernels by GPU time per step, with their
-launches per step. Decode steps replay vLLM's CUDA graphs as served; the profiler records the kernels inside them.
+per step summed over kernels and the kernel count per step (and of them PyTorch's own, at::native, kernels: the small
+tensor ops between the fused ones), then the --top kernels by GPU time per step, with their launches per step.
+Decode steps replay vLLM's CUDA graphs as served; the profiler records the kernels inside them.
 --layer-marker names a kernel launched once per layer (a substring of its name; on MiniMax-M3 checkpoints
 fusedMiniMaxM3RowGroup, the norm + RoPE of every layer): then the times from one marker's start to the next (a
 layer's period: median, min, max) and a period of the median length kernel by kernel (start, duration, end,
@@ -118,6 +119,14 @@ def kernel_table(events, steps: int, on_gpu: bool, top: int) -> str:
     lines = [
         f"{'GPU' if on_gpu else 'self CPU'} time per step: {total / steps:.1f} us in {sum(calls.values()) / steps:.1f} "
         f"{what} calls",
+    ]
+    if on_gpu:  # PyTorch's own kernels: the small tensor ops a model or a plugin runs between the fused kernels
+        native = [name for name in time_us if "at::native" in name]
+        lines.append(
+            f"of them PyTorch's own (at::native): {sum(time_us[n] for n in native) / steps:.1f} us in "
+            f"{sum(calls[n] for n in native) / steps:.1f} kernel calls"
+        )
+    lines += [
         f"| {what} | us per step | share | calls per step |",
         "|---|---|---|---|",
     ]

@@ -38,6 +38,26 @@ def test_layer_timeline_gives_the_periods_and_one_of_median_length_relative_to_i
     assert "ran 1 time(s), a period needs 2" in profile_served_decode.layer_timeline(kernels[:2], "norm")
 
 
+def test_kernel_table_counts_pytorchs_own_kernels_apart():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def kernel(name: str, us: float):
+        elapsed = SimpleNamespace(elapsed_us=lambda: us)
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=elapsed)
+
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>"
+    events = [kernel("fused_moe_kernel", 10.0), kernel(fill, 1.5), kernel(fill, 2.5), kernel("topk", 4.0)]
+    events.append(SimpleNamespace(name="aten::fill_", device_type=DeviceType.CPU))  # a CPU op: not a kernel
+    lines = profile_served_decode.kernel_table(events * 2, steps=2, on_gpu=True, top=2).splitlines()
+    assert lines[:2] == [
+        "GPU time per step: 18.0 us in 4.0 kernel calls",
+        "of them PyTorch's own (at::native): 4.0 us in 2.0 kernel calls",
+    ]
+    assert lines[-2:] == ["| `fused_moe_kernel` | 10.00 | 55.6% | 1.0 |", f"| `{fill}` | 4.00 | 22.2% | 2.0 |"]
+
+
 @pytest.mark.parametrize("bad", [["--steps", "0"], ["--batch", "0"], ["--context", "-1"]])
 def test_bad_sizes_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
