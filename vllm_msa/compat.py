@@ -311,8 +311,8 @@ def m3_qkv_index_projection(*args: Any, **kwargs: Any) -> torch.nn.Module:
 
 def m3_qknorm_rope(*args: Any, **kwargs: Any) -> None:
     """vLLM's fused M3 Gemma-RMSNorm + partial NeoX RoPE of q, k, index_q and index_k, in place in the fused
-    projection's output (internal: vllm._custom_ops.fused_minimax_m3_qknorm_rope_kv_insert, called without
-    its cache insert)."""
+    projection's output, and its insert of K/V and index keys into the layer's caches where it is given them
+    (internal: vllm._custom_ops.fused_minimax_m3_qknorm_rope_kv_insert)."""
     from vllm import _custom_ops as vllm_ops
 
     vllm_ops.fused_minimax_m3_qknorm_rope_kv_insert(*args, **kwargs)

@@ -4,8 +4,9 @@ Owns FlashMSAMiniMaxM3ForCausalLM, registered under vLLM's own architecture name
 MiniMaxM3SparseForCausalLM (also the text backbone of MiniMaxM3SparseForConditionalGeneration).
 With `--attention-backend FLASH_MSA` every sparse layer (sparse_attention_freq != 0) is a
 FlashMSAMiniMaxM3Attention: vLLM's fused [q | k | v | index_q | index_k] projection, its fused
-Gemma-RMSNorm + partial-NeoX-RoPE op (without its cache insert), then MSAAttention (index scores,
-top-k, sparse attention of msa_kernels.ops on FLASH_MSA's K/V and index-key caches) and vLLM's o_proj.
+Gemma-RMSNorm + partial-NeoX-RoPE op (which also inserts K/V and index keys into FLASH_MSA's caches where both
+are bf16/fp16), then MSAAttention (index scores, top-k, sparse attention of msa_kernels.ops on FLASH_MSA's K/V
+and index-key caches) and vLLM's o_proj.
 Parameter names equal vLLM's, so vLLM's M3 weight loading is used unchanged. Dense layers, MoE,
 norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
 CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA graphs stay on
