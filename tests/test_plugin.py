@@ -412,3 +412,34 @@ def test_sizing_reads_the_cache_specs_vllm_allocates(demo_model):
         demo_model, sizing.Layout(tp=2), gpu_gib=1.0, utilization=0.5, weight_dtype="bf16", contexts=[4096]
     )
     assert "per rank of 2: Hq 4, Hkv 1, index heads 2, index key heads 1" in report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_kv_pages_written_on_cuda_hold_the_reference_bytes():
+    """backend.write_paged on CUDA (vLLM's reshape_and_cache_flash with the layer's scale tensors) against the
+    reference's e4m3 of K / k_scale and V / v_scale, byte for byte; slots < 0 skipped, NaN kept (as a NaN: vLLM's
+    kernel writes 0x7f where torch's CPU cast writes 0xff, both e4m3 NaN)."""
+    from vllm_msa.backend import write_paged
+
+    rows, heads, dim, pages, block = 300, 2, 128, 6, 128
+    g = torch.Generator().manual_seed(11)
+    key, value = (torch.randn(rows, heads, dim, generator=g) * 200 for _ in range(2))  # some saturate at 448
+    key[3, 0, 5] = float("nan")
+    slots = torch.randperm(pages * block, generator=g)[:rows]
+    slots[::7] = -1
+    caches = {}
+    for device in ("cpu", "cuda"):
+        # an MSA layer's FP8 scales, as vLLM's attention layers hold them (powers of two: exact either way)
+        layer = SimpleNamespace(
+            _k_scale=torch.tensor(2.0, device=device),
+            _v_scale=torch.tensor(0.25, device=device),
+            _k_scale_float=2.0,
+            _v_scale_float=0.25,
+        )
+        cache = torch.zeros(pages, 2, block, heads, dim, dtype=FP8_KV_STORAGE, device=device)
+        bf16 = (key.bfloat16().to(device), value.bfloat16().to(device))
+        write_paged(cache[:, 0], cache[:, 1], slots.to(device), *bf16, layer)
+        caches[device] = cache.cpu()
+    nan = {device: cache.view(torch.float8_e4m3fn).float().isnan() for device, cache in caches.items()}
+    assert torch.equal(nan["cuda"], nan["cpu"]) and nan["cpu"].sum() == 1
+    assert torch.equal(caches["cuda"][~nan["cuda"]], caches["cpu"][~nan["cpu"]])

@@ -12,6 +12,7 @@ tests run them on 0.32 and dev/gpu/serve_smoke.sh on 0.34), and the logits-proce
 the vLLM version (selection_log.py).
 """
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -25,14 +26,14 @@ ARGS_0_34 = "vllm 0.34"
 
 @pytest.fixture(scope="module")
 def plugin(demo_model):
-    """The demo's MSA layer 1 (MSAAttention with its index-key cache), a dense FlashMSAImpl and a metadata builder,
-    built under a real vLLM config of the demo checkpoint."""
+    """The demo's MSA layer 1 (MSAAttention with its index-key cache) and a metadata builder, built under a real vLLM
+    config of the demo checkpoint."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
 
     import vllm_msa
-    from vllm_msa.backend import FlashMSABackend, FlashMSAImpl
+    from vllm_msa.backend import FlashMSABackend
     from vllm_msa.config import MSAModelConfig
     from vllm_msa.layer import MSAAttention
 
@@ -57,7 +58,6 @@ def plugin(demo_model):
         builder=builder_cls(spec, [layer.layer_name], vllm_config, torch.device("cpu")),
         index_spec=layer.index_key_cache.get_kv_cache_spec(vllm_config),
         index_builder_cls=layer.index_key_cache.get_attn_backend().get_builder_cls(),
-        impl_cls=FlashMSAImpl,
         backend=FlashMSABackend,
     )
     parallel_state.destroy_model_parallel()
@@ -152,12 +152,6 @@ CALLS = [
         lambda p: p.backend.supports_attn_type("decoder"),
     ),
     (
-        "FlashMSAImpl.__init__",
-        "both",
-        "layers/attention/attention.py:442 impl_cls(<ten positional>, **extra_impl_args)",
-        lambda p: p.impl_cls(*dense_impl_args()),
-    ),
-    (
         "FlashMSAMetadataBuilder.__init__",
         "both",
         "worker/utils.py:331 builder_cls(spec, layer_names, vllm_config, device, **builder_kwargs)",
@@ -218,11 +212,31 @@ def test_vllm_calls_each_plugin_hook_as_each_supported_version_does(plugin, hook
     call(plugin)
 
 
-def test_a_dense_impl_refuses_the_extras_it_does_not_serve_by_name(plugin):
-    """vLLM 0.34 passes a model's extras by keyword (attention sinks, ...): refused naming them, not a TypeError."""
-    with pytest.raises(NotImplementedError, match="sinks"):
-        plugin.impl_cls(*dense_impl_args(), sinks=torch.zeros(8))
-    plugin.impl_cls(*dense_impl_args(), sinks=None)  # a model that passes the keyword without sinks
+def test_a_plain_attention_layer_routed_to_flash_msa_is_refused_naming_the_way_out(plugin):
+    """A model without MSA layers under --attention-backend FLASH_MSA: vLLM's Attention builds FLASH_MSA's impl for
+    its plain layers (on CUDA; vLLM's CPU platform picks its own backend first), which refuses them by name."""
+    with pytest.raises(NotImplementedError, match="serve it without --attention-backend FLASH_MSA"):
+        plugin.backend.get_impl_cls()(*dense_impl_args())
+
+
+def test_flash_msa_models_build_their_dense_layers_on_the_platform_backend(plugin, demo_model, caplog):
+    """Under FLASH_MSA the demo's dense layer 0 is vLLM's Attention on the platform's own backend (CPU_ATTN here,
+    FlashAttention on CUDA), chosen without the CPU platform's fallback from FLASH_MSA, and the selection is
+    FLASH_MSA again once the model is built."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_msa.models.flash_msa import FlashMSAForCausalLM
+
+    vllm_config = EngineArgs(
+        model=str(demo_model), attention_backend="FLASH_MSA", dtype="float32", block_size=128
+    ).create_engine_config()
+    with set_current_vllm_config(vllm_config), caplog.at_level(logging.INFO):
+        model = FlashMSAForCausalLM(vllm_config=vllm_config)
+    assert model.model.layers[0].self_attn.attn.attn_backend.get_name() == "CPU_ATTN"
+    assert vllm_config.attention_config.backend.name == "FLASH_MSA"
+    log = caplog.text
+    assert "Cannot use" not in log and "dense layers [0] on vLLM's CPU_ATTN" in log
 
 
 def test_a_build_with_model_step_metadata_is_refused_by_name(plugin):

@@ -6,7 +6,7 @@ the supported versions it stops there, naming them (compat.check_vllm_version).
     compat          every touch of vLLM internals; the supported vLLM versions
     registration    FLASH_MSA backend name, model architectures, their config check
     config          a checkpoint's msa_config; what FLASH_MSA can serve
-    backend         FLASH_MSA backend, metadata builder, impls: FlashMSAImpl (dense layers), MSAImpl (index
+    backend         FLASH_MSA backend, metadata builder, MSAImpl (index
                     scores + top-k + sparse attention)
     index_key_cache paged index-key side cache
     layer           MSAAttention: one MSA layer's caches and custom op

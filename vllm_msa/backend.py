@@ -1,4 +1,4 @@
-"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, the two impls.
+"""The FLASH_MSA attention backend for vLLM: backend class, per-step metadata and its builder, MSA layers' impl.
 
 Data flow of one step: vLLM's scheduler fills CommonAttentionMetadata -> FlashMSAMetadataBuilder
 turns it into the step's plan (msa_kernels.plan.StepPlan: a PagedBatch of varlen queries, seq lens and block
@@ -7,13 +7,12 @@ MSAImpl writes the new K/V and index keys into their paged caches, scores the in
 128-token block, picks the top-k blocks and runs attention over those blocks only (msa_kernels.ops:
 CuTeDSL kernels where they serve the inputs, the PyTorch reference otherwise).
 
-Two impls, one per kind of layer: FlashMSAImpl is vLLM's AttentionImpl, which vLLM builds (get_impl_cls)
-for the plain (dense) attention layers it routes to FLASH_MSA (`--attention-backend FLASH_MSA` on
-CUDA, e.g. a checkpoint's dense_layers): vLLM's FlashAttention on the same paged K/V cache where vLLM
-has it (FA3 on Hopper), else the sparse attention path with every visible block selected. MSAImpl
-runs an MSA layer in three stages with their own signatures (the index query and keys, the index-key
-cache), so it has vLLM's base class for impls without the dense forward; MSAAttention (layer.py)
-builds it and runs the stages.
+MSAImpl runs an MSA layer in three stages with their own signatures (the index query and keys, the index-key
+cache), so it has vLLM's base class for impls without the dense forward; MSAAttention (layer.py) builds it and runs
+the stages. FLASH_MSA runs MSA layers only: a model's plain (dense) attention layers are vLLM's own, on the
+platform's backend (vLLM's FlashAttention on CUDA, its CPU attention on CPU; compat.plain_layers_on_platform_backend,
+as vLLM's own MiniMax-M3 runs its dense layers beside its sparse backend), and FlashMSAImpl, what vLLM would build
+for a plain layer routed to FLASH_MSA (a model without MSA layers), refuses it by name.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
 and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, FP8 index keys through
@@ -27,7 +26,6 @@ block_size, 2 * head_dim] (a head's K and V of a token side by side), page size 
 through reference.kv_planes' view [num_pages, 2, block_size, num_kv_heads, head_dim].
 """
 
-import functools
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeVar
@@ -39,7 +37,6 @@ from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionImpl,
     AttentionImplBase,
-    AttentionLayer,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
@@ -99,11 +96,6 @@ class FlashMSAMetadata(AttentionMetadata):
     plan: StepPlan  # the step's batch, its decode and prefill parts and their workspaces
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slots, -1 = padding
     num_actual_tokens: int
-    max_query_len: int  # the dense layers' FlashAttention call needs both bounds on the host
-    max_seq_len: int
-    dense_num_splits: (
-        int  # FlashAttention split-K bound: fixed for batches a full CUDA graph may replay, else 0 (FA's heuristic)
-    )
     request_keys: list[int] | None = None  # per request row, its key in the selection log (None: the row itself)
 
 
@@ -160,22 +152,14 @@ class FlashMSAMetadataBuilder(StepMetadataBuilder[FlashMSAMetadata]):
 
     def configure(self) -> None:
         compat.reorder_verification_with_decodes(self, SINGLE_TOKEN_DECODE_QUERY_LEN)
-        compilation = self.vllm_config.compilation_config
-        # As vLLM's FlashAttention builder: a fixed split bound for the batch sizes a full graph may
-        # replay, since a graph keeps the split count of its capture.
-        self._graph_batch_limit = (
-            compilation.max_cudagraph_capture_size or 0 if compilation.cudagraph_mode.has_full_cudagraphs() else 0
-        )
-        self._graph_num_splits = self.vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
         """Full graphs for uniform decode batches (single-token, or speculative verification with the same
-        number of tokens per request) when every FLASH_MSA layer of the model, dense or MSA, runs CuTeDSL
-        kernels (or, dense, FlashAttention 3)."""
+        number of tokens per request) when every MSA layer of the model runs CuTeDSL kernels."""
         device, dtype = compat.model_device_and_dtype(vllm_config)
         layers = compat.attention_layers(vllm_config).values()
-        impls = [impl for layer in layers if isinstance(impl := getattr(layer, "impl", None), (FlashMSAImpl, MSAImpl))]
+        impls = [impl for layer in layers if isinstance(impl := getattr(layer, "impl", None), MSAImpl)]
         if impls and all(impl.graph_capturable(device, dtype) for impl in impls):
             return AttentionCGSupport.UNIFORM_BATCH
         return AttentionCGSupport.NEVER
@@ -194,129 +178,20 @@ class FlashMSAMetadataBuilder(StepMetadataBuilder[FlashMSAMetadata]):
             plan=StepPlan.of(batch, compat.num_decode_requests(m, self.reorder_batch_threshold)),
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             num_actual_tokens=m.num_actual_tokens,
-            max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len,
-            dense_num_splits=self._graph_num_splits if m.num_actual_tokens <= self._graph_batch_limit else 0,
             request_keys=compat.batch_request_keys(m, m.num_reqs),
         )
 
 
 class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
-    """A plain (dense) causal attention layer on FLASH_MSA, as vLLM builds it (FlashMSABackend.get_impl_cls)."""
+    """What vLLM builds for a plain attention layer routed to FLASH_MSA (FlashMSABackend.get_impl_cls): refused.
+    FLASH_MSA's models build their plain layers on the platform's backend; a model without MSA layers has none."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes: list[float] | None = None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        **extra_impl_args: object,
-    ) -> None:
-        """vLLM's Attention layer passes these ten positionally (0.32 and 0.34) and a model's extras by keyword
-        (attention sinks, FlexAttention's block sizes, ...): FLASH_MSA refuses any it is given, naming it."""
-        unsupported = {
-            "alibi_slopes": alibi_slopes,
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap,
-            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
-            **extra_impl_args,
-        }
-        named = [k for k, v in unsupported.items() if v is not None]
-        if named or attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"FLASH_MSA serves causal decoder attention without {named or [attn_type]}")
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.kv_cache_dtype = kv_cache_dtype
-
-    def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        kv_cache = reference.kv_planes(kv_cache)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer)
-
-    def graph_capturable(self, device: torch.device, dtype: torch.dtype) -> bool:
-        fp8_kv = self.kv_cache_dtype in FP8_CACHE_DTYPES
-        if (version := dense_flash_attn_version(device, dtype, self.head_size, fp8_kv)) is not None:
-            return version == 3  # FA3 replays from full graphs (vLLM's FlashAttention backend: ALWAYS)
-        return ops.graph_capturable(device, dtype, self._dense_shape(128, 1), index_scores=False)
-
-    def _dense_shape(self, block_size: int, max_blocks: int) -> MSAShape:
-        """A dense layer as MSA: one index head per KV head and every block selectable."""
-        return MSAShape(
-            num_q_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size,
-            num_index_heads=self.num_kv_heads,
-            num_index_key_heads=1,
-            index_head_dim=1,
-            topk_blocks=max(1, max_blocks),
-            block_size=block_size,
+    def __new__(cls, *args: object, **kwargs: object) -> "FlashMSAImpl":
+        raise NotImplementedError(
+            "FLASH_MSA runs the MSA layers of MSA models (FlashMSAForCausalLM, MiniMax-M3), whose plain attention "
+            "layers run vLLM's own backend; this model's attention layers are plain: serve it without "
+            "--attention-backend FLASH_MSA"
         )
-
-    def forward(
-        self,
-        layer: AttentionLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: FlashMSAMetadata | None,
-        output: torch.Tensor,
-        output_scale: torch.Tensor | None = None,
-        output_block_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Dense causal attention of a plain vLLM Attention layer (K/V already in the cache)."""
-        if attn_metadata is None:  # memory-profiling run: caches are not bound yet
-            return output.fill_(0)
-        plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
-        batch = plan.batch
-        kv_cache = reference.kv_planes(kv_cache)
-        fp8_kv = reference.is_fp8_kv(kv_cache)
-        version = dense_flash_attn_version(query.device, query.dtype, self.head_size, fp8_kv)
-        if version is not None:
-            descales: dict[str, torch.Tensor] = {}
-            q, k, v = query[:n], kv_cache[:, 0], kv_cache[:, 1]  # K, V: strided views of the pages
-            if fp8_kv:
-                q, k, v, descales = fp8_flash_attn_inputs(layer, q, k, v, batch.num_requests)
-            compat.flash_attn_varlen(
-                q=q,
-                k=k,
-                v=v,
-                out=output[:n],
-                cu_seqlens_q=batch.query_start_loc,
-                max_seqlen_q=attn_metadata.max_query_len,
-                seqused_k=batch.seq_lens,
-                max_seqlen_k=attn_metadata.max_seq_len,
-                softmax_scale=self.scale,
-                causal=True,
-                block_table=batch.block_table,
-                fa_version=version,
-                num_splits=attn_metadata.dense_num_splits,
-                **descales,
-            )
-            return output
-        max_blocks = batch.block_table.shape[1]
-        shape = self._dense_shape(kv_cache.shape[2], max_blocks)
-        every_block = torch.arange(max_blocks, dtype=torch.int32, device=query.device)
-        selected = every_block.expand(n, shape.num_index_heads, max_blocks)
-        selected = selected.masked_fill(selected > (batch.positions // shape.block_size)[:, None, None], -1)
-        ops.sparse_attention(
-            query[:n], kv_cache, plan, selected, shape, self.scale, out=output[:n], kv_scales=layer_kv_scales(layer)
-        )
-        return output
 
 
 class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
@@ -403,66 +278,23 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         )
 
 
-@functools.cache
-def dense_flash_attn_version(
-    device: torch.device, dtype: torch.dtype, head_size: int, fp8_kv: bool = False
-) -> int | None:
-    """The version of vLLM's FlashAttention that runs dense layers on this device, or None (then the
-    sparse attention path runs them with every block selected): CUDA builds of vLLM, fp16/bf16. On an FP8
-    K/V cache only FlashAttention 3, which takes e4m3 queries (fp8_flash_attn_inputs) and writes bf16: bf16
-    models, head dims a multiple of 16."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
-        return None
-    version = compat.flash_attn_version(head_size)
-    if fp8_kv and (version != 3 or dtype != torch.bfloat16 or head_size % 16):
-        return None
-    return version
-
-
-def fp8_flash_attn_inputs(
-    layer: object,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    num_seqs: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """FlashAttention 3's arguments on an FP8 K/V cache, as vLLM's FlashAttention backend passes them: the
-    queries [T, Hq, D] in e4m3 (static per-tensor quantisation by the layer's q_scale), the K/V pages viewed as
-    e4m3, and the q/k/v descales [num_seqs, Hkv]."""
-    q_scale, k_scale, v_scale = layer_scale_tensors(layer, query.device)
-    q = compat.quantize_fp8_per_tensor(query.flatten(1), q_scale).view(query.shape)
-    fp8, descale_shape = q.dtype, (num_seqs, key_cache.shape[-2])
-    descales = {
-        "q_descale": q_scale.view(()).expand(descale_shape),
-        "k_descale": k_scale.view(()).expand(descale_shape),
-        "v_descale": v_scale.view(()).expand(descale_shape),
-    }
-    return q, key_cache.view(fp8), value_cache.view(fp8), descales
-
-
-def describe_dense(device: torch.device, dtype: torch.dtype, head_size: int, fp8_kv: bool = False) -> str:
-    """What runs a dense layer on FLASH_MSA, for startup logs."""
-    version = dense_flash_attn_version(torch.device(device), dtype, head_size, fp8_kv)
-    if version is not None:
-        return f"vLLM's FlashAttention {version}"
-    probe = torch.empty(0, device=device, dtype=dtype)
-    shape = MSAShape(1, 1, head_size, 1, 1, 1, 1)
-    kernel = "CuTeDSL" if ops.uses_cute_sparse_attention(probe, shape) else "PyTorch"
-    return f"sparse attention over every block ({kernel})"
-
-
-def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dense_layers: str) -> None:
-    """The model's start-up log line: its MSA layers, what runs each step on this rank and the rank's heads,
-    then its dense layers (dense_layers: what runs them); a warning naming why where the CuTeDSL kernels leave
-    steps to the PyTorch path on a GPU (ops.unserved_reason)."""
+def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config) -> None:
+    """The model's start-up log line: its MSA layers, what runs each step on this rank and the rank's heads, then its
+    dense layers and the backend of those this rank holds; a warning naming why where the CuTeDSL kernels leave steps
+    to the PyTorch path on a GPU (ops.unserved_reason)."""
     tp_rank, tp_size = compat.tensor_parallel_rank_and_size()
     layout = msa.rank_layout(hf_config, tp_size, tp_rank)
     (device, dtype), shape = compat.model_device_and_dtype(vllm_config), layout.shape
     keys = served_index_key_dtype(vllm_config, msa)
     fp8_kv = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
+    plain_backends = {
+        backend.get_name()
+        for layer in compat.attention_layers(vllm_config).values()
+        if (backend := getattr(layer, "attn_backend", None)) is not None  # vLLM's Attention layers
+    }
     logger.info(
         "%s: MSA layers %s on FLASH_MSA (%s; K/V %s; index keys %s; top-%d of %d-token blocks, %d local, %d init; "
-        "%s), dense layers %s %s",
+        "%s), dense layers %s on %s",
         model,
         msa.sparse_layers(hf_config.num_hidden_layers),
         ops.describe(device, dtype, shape, index_key_dtype=keys),
@@ -474,7 +306,7 @@ def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config, dens
         msa.init_blocks,
         layout.describe(tp_size),
         list(msa.dense_layers),
-        dense_layers.format(dense=describe_dense(device, dtype, shape.head_dim, fp8_kv)),
+        f"vLLM's {', '.join(sorted(plain_backends))}" if plain_backends else "vLLM's backend (none on this rank)",
     )
     probe = torch.empty(0, device=device, dtype=dtype)
     kernels_serve = ops.uses_cute_index_scores(probe, shape, index_key_dtype=keys)  # decode: FP8 prefill warns in ops
@@ -491,17 +323,17 @@ def layer_kv_scales(layer: object) -> tuple[float, float]:
     return getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0)
 
 
-def layer_scale_tensors(layer: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_scale, k_scale, v_scale) of a vLLM attention layer's FP8 K/V cache as vLLM's cache and FlashAttention
-    ops take them, float32 tensors of one element (1 where the layer has none)."""
+def layer_scale_tensors(layer: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) of an attention layer's FP8 K/V cache as vLLM's cache op takes them, float32 tensors of one
+    element (1 where the layer has none)."""
     unit = compat.unit_scale(device)
-    q_scale, k_scale, v_scale = (getattr(layer, name, unit) for name in ("_q_scale", "_k_scale", "_v_scale"))
-    if any(scale.numel() != 1 for scale in (q_scale, k_scale, v_scale)):
+    k_scale, v_scale = (getattr(layer, name, unit) for name in ("_k_scale", "_v_scale"))
+    if any(scale.numel() != 1 for scale in (k_scale, v_scale)):
         raise NotImplementedError(
-            "FLASH_MSA reads FP8 K/V caches with one q/k/v scale per tensor: this checkpoint's per-head scales are "
+            "FLASH_MSA writes FP8 K/V caches with one k/v scale per tensor: this checkpoint's per-head scales are "
             "not served; serve it without --kv-cache-dtype fp8"
         )
-    return q_scale, k_scale, v_scale
+    return k_scale, v_scale
 
 
 def write_paged(
@@ -520,7 +352,7 @@ def write_paged(
     reference, which writes the same bytes.
     """
     if key_cache.is_cuda:
-        scales = layer_scale_tensors(layer, key_cache.device)[1:] if reference.is_fp8_kv(key_cache) else ()
+        scales = layer_scale_tensors(layer, key_cache.device) if reference.is_fp8_kv(key_cache) else ()
         compat.write_paged_cuda(key_cache, value_cache, slot_mapping, key, value, *scales)
         return
     k_scale, v_scale = layer_kv_scales(layer)

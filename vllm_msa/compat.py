@@ -20,9 +20,10 @@ linear layers, RMSNorm, RoPE, extract_layer_index), the config types, ModelRegis
 init_logger.
 """
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -134,31 +135,6 @@ def platform_fp8_dtype() -> torch.dtype:
     return current_platform.fp8_dtype()
 
 
-def quantize_fp8_per_tensor(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 of rows [T, N] / scale (one element), saturated: vLLM's static scaled_fp8_quant, as its attention
-    layers quantise queries for FlashAttention on an FP8 K/V cache."""
-    from vllm import _custom_ops as vllm_ops
-
-    return vllm_ops.scaled_fp8_quant(rows, scale)[0]
-
-
-@functools.cache
-def flash_attn_version(head_size: int) -> int | None:
-    """The version of vLLM's FlashAttention (varlen, paged) on this build and GPU, or None."""
-    from vllm.v1.attention.backends import fa_utils
-
-    if not fa_utils.is_flash_attn_varlen_func_available():
-        return None
-    version = fa_utils.get_flash_attn_version(head_size=head_size)
-    return version if version is not None and fa_utils.is_fa_version_supported(version) else None
-
-
-def flash_attn_varlen(**kwargs: Any) -> None:
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-    flash_attn_varlen_func(**kwargs)
-
-
 # Model layers (MSAAttention, IndexKeyCache) ----------------------------------------------------------------------
 
 # The base class the model runner finds attention-like layers by (binds their caches, asks their KV cache spec);
@@ -178,6 +154,21 @@ def current_vllm_config() -> "VllmConfig":
     from vllm.config import get_current_vllm_config
 
     return get_current_vllm_config()
+
+
+@contextlib.contextmanager
+def plain_layers_on_platform_backend() -> Iterator[None]:
+    """While a model of FLASH_MSA's is built: vLLM's own attention layers in it (its dense layers) take the
+    platform's default backend, not the selected FLASH_MSA, as vLLM's own MiniMax-M3 runs its dense layers on
+    FlashAttention beside its sparse backend; MSA layers name FLASH_MSA themselves (internal: the attention
+    config's backend, which vLLM's backend selection reads)."""
+    attention_config = current_vllm_config().attention_config
+    selected = attention_config.backend
+    attention_config.backend = None
+    try:
+        yield
+    finally:
+        attention_config.backend = selected
 
 
 def attention_layers(vllm_config: "VllmConfig") -> dict[str, AttentionLayerBase]:

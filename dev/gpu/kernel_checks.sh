@@ -4,11 +4,11 @@
 # benchmarks named, each with its own time limit and one summary line here; their logs (and the peer table's
 # report and plots) come back as $OUT/kernel_checks.tgz (a device call brings back few files: one archive),
 # packed again after each check, so a call cut off at its limit still brings back the checks that finished.
-#   bash dev/gpu/kernel_checks.sh [tests] [dense] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
+#   bash dev/gpu/kernel_checks.sh [tests] [writes] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
 #     [prefill_1m] [prefill_attention] [peers] [long] [host] [profile_prefill]
-# (none named: tests, then dense+memcheck: up to 680 s, more than one device call: run it under dev/gpu/background.sh).
+# (none named: tests, then writes+memcheck: up to 680 s, more than one device call: run it under dev/gpu/background.sh).
 # The kernel tests run alone: beside the sanitizers they ran past their limit (H100, 2026-12-05).
-# Checks joined by '+' run at the same time (tests+dense+memcheck: correctness only, never benchmarks, whose
+# Checks joined by '+' run at the same time (tests+writes+memcheck: correctness only, never benchmarks, whose
 # times another process on the GPU would skew); the group takes as long as its slowest check.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -37,7 +37,8 @@ run() {  # NAME SECONDS COMMAND...: the command's output in $out/NAME.log, then 
 check() {  # NAME: run one named check
   case $1 in
     tests) run pytest_cute 480 python3 -m pytest -q -rf --tb=short "${workers[@]}" tests/test_cute_kernels.py ;;
-    dense) run pytest_dense_path 150 python3 -m pytest -q -rf --tb=short tests/test_dense_path.py ;;
+    # FP8 K/V pages written by vLLM's cache op (the serving kit: the plugin imports vLLM)
+    writes) run pytest_fp8_kv_writes 150 python3 -m pytest -q -rf --tb=short tests/test_plugin.py -k fp8_kv_pages_written ;;
     memcheck) run sanitize_memcheck 200 "${sanitize[@]}" --tool memcheck python3 -m bench.sanitize ;;
     racecheck) run sanitize_racecheck 300 "${sanitize[@]}" --tool racecheck python3 -m bench.sanitize ;;
     topk) run bench_topk 60 python3 -m bench.bench_topk ;;
@@ -59,12 +60,12 @@ check() {  # NAME: run one named check
       --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section InstructionStats python3 -m bench.bench_prefill_index --contexts 32768 ;;
-    *) echo "unknown check '$1' (tests dense memcheck racecheck topk sparse index prefill prefill_1m prefill_attention peers" \
+    *) echo "unknown check '$1' (tests writes memcheck racecheck topk sparse index prefill prefill_1m prefill_attention peers" \
       "long host profile_prefill)" >&2; return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || set -- tests dense+memcheck
+[ $# -gt 0 ] || set -- tests writes+memcheck
 for group in "$@"; do
   IFS=+ read -ra together <<< "$group"
   for name in "${together[@]}"; do check "$name" & done

@@ -1,7 +1,8 @@
 """FlashMSAForCausalLM: a Llama-style GQA decoder whose non-dense layers are MSA layers.
 
 Everything but attention is vLLM's Llama (embeddings, RMSNorm, SwiGLU MLP, LM head, weight loading).
-Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend.
+Dense layers (msa_config.dense_layers) are vLLM's LlamaAttention on the platform's attention backend, also under
+FLASH_MSA (compat.plain_layers_on_platform_backend).
 MSA layers add the index branch of docs/MSA_SPEC.md:
     index_q = RoPE(RMSNorm(index_q_proj(x)))  [T, Hi, Dp]     index_k = RoPE(RMSNorm(index_k_proj(x)))  [T, Hki, Dp]
 and attend through MSAAttention (FLASH_MSA). On a GPU, shapes the CuTeDSL kernels do not serve run
@@ -10,6 +11,7 @@ the PyTorch path, with a warning at start-up. Checkpoint names follow HF Llama p
 """
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -24,7 +26,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_msa import compat
 from vllm_msa.backend import log_msa_layers
-from vllm_msa.config import MSAModelConfig, served_index_key_dtype
+from vllm_msa.config import MSAModelConfig, flash_msa_selected, served_index_key_dtype
 from vllm_msa.layer import MSAAttention
 
 if TYPE_CHECKING:
@@ -118,14 +120,10 @@ class FlashMSAForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         hf_config = vllm_config.model_config.hf_config
         msa = MSAModelConfig.from_hf_config(hf_config)  # fail before building anything
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
-        log_msa_layers(
-            "FlashMSAForCausalLM",
-            msa,
-            hf_config,
-            vllm_config,
-            "on the selected attention backend (on FLASH_MSA: {dense})",
-        )
+        plain_layers = compat.plain_layers_on_platform_backend() if flash_msa_selected(vllm_config) else nullcontext()
+        with plain_layers:
+            super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FlashMSADecoderLayer)
+        log_msa_layers("FlashMSAForCausalLM", msa, hf_config, vllm_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Index weights of layers this config runs dense (e.g. all of them, for a dense baseline) are unused.

@@ -6,9 +6,9 @@ With `--attention-backend FLASH_MSA` every sparse layer (sparse_attention_freq !
 FlashMSAMiniMaxM3Attention: vLLM's fused [q | k | v | index_q | index_k] projection, its fused
 Gemma-RMSNorm + partial-NeoX-RoPE op (which also inserts K/V and index keys into FLASH_MSA's caches where both
 are bf16/fp16), then MSAAttention (index scores, top-k, sparse attention of msa_kernels.ops on FLASH_MSA's K/V
-and index-key caches) and vLLM's o_proj.
-Parameter names equal vLLM's, so vLLM's M3 weight loading is used unchanged. Dense layers, MoE,
-norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
+and index-key caches) and vLLM's o_proj. Parameter names equal vLLM's, so vLLM's M3 weight loading is used
+unchanged. Dense layers (on the platform's backend, as under vLLM's own M3: compat.plain_layers_on_platform_backend),
+MoE, norms, embeddings and LM head stay vLLM's. With any other backend the model is vLLM's, unchanged.
 CUDA only, like vLLM's M3 (its fused op and MoE have no CPU path); vLLM's CUDA graphs stay on
 (config.check_minimax_m3_serving_config says how).
 """
@@ -165,6 +165,6 @@ class FlashMSAMiniMaxM3ForCausalLM(_M3_FOR_CAUSAL_LM):
             return
         text_config = vllm_config.model_config.hf_text_config
         msa = MSAModelConfig.from_minimax_m3(text_config)  # fail before building anything
-        with _sparse_attention_class(FlashMSAMiniMaxM3Attention):
+        with _sparse_attention_class(FlashMSAMiniMaxM3Attention), compat.plain_layers_on_platform_backend():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        log_msa_layers("MiniMax-M3", msa, text_config, vllm_config, "on FLASH_MSA's dense path ({dense})")
+        log_msa_layers("MiniMax-M3", msa, text_config, vllm_config)
