@@ -351,7 +351,6 @@ def graph_capturable(
     device: torch.device,
     dtype: torch.dtype,
     shape: MSAShape,
-    index_scores: bool = True,
     index_key_dtype: torch.dtype | None = None,
 ) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
@@ -362,8 +361,6 @@ def graph_capturable(
     chosen = kernels(device, dtype, index_key_dtype, False, shape)
     if chosen.decode.attention is _reference_attention:
         return False
-    if not index_scores:
-        return True
     writes = index_key_dtype != Fp8IndexKeyCache.dtype or chosen.write_fp8_index_keys is not reference.write_index_keys
     return writes and chosen.decode.index_scores is not reference.index_block_scores
 
