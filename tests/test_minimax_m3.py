@@ -33,6 +33,8 @@ from vllm_msa.config import (
     MSAConfigError,
     MSAModelConfig,
     check_minimax_m3_serving_config,
+    index_key_dtype,
+    m3_fused_op_writes_caches,
     served_indexer_kv_dtype,
 )
 
@@ -187,9 +189,14 @@ def test_m3_configs_flash_msa_cannot_serve_are_refused(schema, overrides, messag
 
 
 def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1, indexer_kv_dtype="auto"):
-    """The parts of a VllmConfig the check reads (vLLM cannot build a whole M3 VllmConfig on CPU)."""
+    """The parts of a VllmConfig the check reads (vLLM cannot build a whole M3 VllmConfig on CPU), FLASH_MSA
+    registered."""
     from vllm.config import CacheConfig
     from vllm.config.attention import AttentionConfig
+
+    import vllm_msa
+
+    vllm_msa.register()
 
     cache = CacheConfig() if block_size is None else CacheConfig(block_size=block_size)
     cache.user_specified_block_size = block_size is not None
@@ -204,9 +211,6 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
 
 
 def test_m3_serving_check_acts_only_under_flash_msa(text_config):
-    import vllm_msa
-
-    vllm_msa.register()
     untouched = serving_config(text_config, None, block_size=16, tensor_parallel_size=2)
     check_minimax_m3_serving_config(untouched)  # vLLM's own path: nothing checked, nothing changed
     assert untouched.cache_config.block_size == 16
@@ -232,6 +236,18 @@ def test_m3_under_flash_msa_honours_vllms_indexer_kv_dtype_option(text_config):
     with pytest.raises(MSAConfigError, match="--attention-config indexer_kv_dtype 'nvfp4' is not served"):
         check_minimax_m3_serving_config(refused)
     check_minimax_m3_serving_config(serving_config(text_config, None, indexer_kv_dtype="nvfp4"))  # vLLM's own M3
+
+
+def test_m3_fused_op_writes_bf16_caches_only(text_config):
+    """vLLM's fused M3 op inserts K/V and index keys into bf16 caches only: FLASH_MSA's FP8 index-key pages (which
+    the op takes for its NVFP4 ones and refuses at start-up) and an FP8 K/V cache (the checkpoint's scales) keep
+    FLASH_MSA's writes."""
+    msa = MSAModelConfig.from_minimax_m3(text_config)
+    for option, op_writes in (("auto", True), ("bf16", True), ("fp8", False)):
+        config = serving_config(text_config, "FLASH_MSA", indexer_kv_dtype=option)
+        dtype = index_key_dtype(served_indexer_kv_dtype(config, msa), torch.bfloat16)
+        assert m3_fused_op_writes_caches("auto", dtype) == op_writes, option
+        assert not m3_fused_op_writes_caches("fp8", dtype), option
 
 
 def vllm_index_ops(monkeypatch):

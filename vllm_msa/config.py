@@ -260,6 +260,15 @@ def served_index_key_dtype(vllm_config: "VllmConfig", msa: MSAModelConfig) -> to
     return index_key_dtype(served_indexer_kv_dtype(vllm_config, msa), kv_cache_dtype)
 
 
+def m3_fused_op_writes_caches(kv_cache_dtype: str, index_key_dtype: torch.dtype) -> bool:
+    """Whether vLLM's fused M3 norm/RoPE op stores an M3 layer's K/V and index keys in FLASH_MSA's caches: it keeps
+    them as vLLM's own M3 backend does, a bf16/fp16 K/V cache in vLLM's layout (FLASH_MSA's too, kv_cache_dtype
+    "auto") and a bf16/fp16 index-key cache. An FP8 cache of either keeps FLASH_MSA's writes: its checkpoint K/V
+    scales, its FP8 index-key pages (e4m3 values and float32 scales, bytes the op would take for its NVFP4 pages and
+    refuse)."""
+    return kv_cache_dtype == "auto" and index_key_dtype in (torch.bfloat16, torch.float16)
+
+
 def flash_msa_selected(vllm_config: "VllmConfig") -> bool:
     """Whether `--attention-backend FLASH_MSA` was given."""
     return getattr(vllm_config.attention_config.backend, "name", None) == "FLASH_MSA"

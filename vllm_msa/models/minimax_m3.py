@@ -25,7 +25,13 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from vllm_msa import compat
 from vllm_msa.backend import log_msa_layers
-from vllm_msa.config import MSAConfigError, MSAModelConfig, flash_msa_selected, served_index_key_dtype
+from vllm_msa.config import (
+    MSAConfigError,
+    MSAModelConfig,
+    flash_msa_selected,
+    m3_fused_op_writes_caches,
+    served_index_key_dtype,
+)
 from vllm_msa.layer import MSAAttention
 
 if TYPE_CHECKING:
@@ -98,10 +104,7 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         self.attn = MSAAttention(
             layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype, quant_config
         )
-        # vLLM's fused op stores K/V and index keys as its own M3 backend keeps them: a bf16/fp16 K/V cache in vLLM's
-        # layout (FLASH_MSA's too) and a bf16/fp16 index-key cache. An FP8 cache of either keeps FLASH_MSA's writes
-        # (its checkpoint K/V scales, its FP8 index-key pages).
-        self.attn.caches_written_by_model = self.attn.kv_cache_dtype == "auto" and index_key_dtype.is_floating_point
+        self.attn.caches_written_by_model = m3_fused_op_writes_caches(self.attn.kv_cache_dtype, index_key_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape
