@@ -27,6 +27,13 @@ speculative decoding also its acceptance rate and length), one SVG bar chart per
 concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON (with each request's TTFT and inter-token latencies,
 --save-detailed: where the median ITL hides which steps were slow), and the server and bench logs.
 
+--greedy-tokens N asks each server, after its loads, for N greedy tokens (temperature 0, top-5 logprobs) of
+one random prompt per input length, the same token ids for every server (seeded by the length); summary.md then
+says per input length how many leading tokens each configuration shares with the first and, at the first that
+differs, the logit gap: the first configuration's logprob of its own token minus that of the other's token (the
+softmax's normaliser cancels; '>' where the other's token is not among its top 5). Tokens and logprobs:
+greedy-NAME-LEN.json. (M3's `dense` configuration runs other weights, below: its tokens are not comparable.)
+
 --speculative-config JSON serves every configuration twice: as it is, and with `--speculative-config
 JSON` (named NAME+METHOD, e.g. FLASH_MSA+ngram), so summary.md has TPOT with and without speculation
 beside the acceptance rate (accepted / drafted tokens, %) and length (tokens per verification step) that
@@ -57,7 +64,7 @@ Default configurations, by the checkpoint's architecture (--config NAME='ARGS' r
     python serve/bench_e2e.py MODEL_DIR --input-lens 8192 32768 131072 [--output-len 128]
         [--num-prompts 16] [--concurrency 1 16] [--warmups 1] [--prompts {random,repeated}] [--temperature T]
         [--config NAME='vllm serve args' ...] [--only NAME ...] [--speculative-config JSON]
-        [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
+        [--greedy-tokens N] [--dense-backend FLASH_ATTN] [--parallel-start] [--gpu-memory-utilization 0.9]
         [--port 8123] [--out DIR] [-- extra args for every server]
 
 Issue 45 on one H100 (M3's 60-layer mix; FLASH_MSA with bf16 and FP8 index keys and vLLM's M3, started together;
@@ -71,13 +78,14 @@ results/README.md, "Serving on the GPU, seventeenth session"):
 (--kv-cache-memory-bytes: vLLM otherwise sizes each KV cache by profiling the device's free memory,
 which the other servers starting at the same time change.)
 
-A 1M-token prompt on one H200 (issue 18: FLASH_MSA against dense on the same 1M-position weights; the
-8192-token run first compiles the kernels, so --warmups 0 keeps a second 1M prompt out of the time):
+A 1M-token prompt on one GPU (issue 45 item 2: FLASH_MSA against vLLM's M3 on the same 1M-position weights, the
+first 16 greedy tokens compared; the 8192-token run first compiles the kernels, so --warmups 0 keeps a second 1M
+prompt out of the time; each greedy request prefills its prompt once more):
 
     python3 serve/build_m3_model.py /tmp/m3a1m --preset m3-attention-1m
-    python3 serve/bench_e2e.py /tmp/m3a1m --only FLASH_MSA dense --input-lens 8192 1048000 --output-len 16 \\
-        --num-prompts 1 --concurrency 1 --warmups 0 --parallel-start --startup-timeout 600 \\
-        --bench-timeout 300 --out /tmp/e2e1m -- --kv-cache-memory-bytes 30G
+    python3 serve/bench_e2e.py /tmp/m3a1m --only FLASH_MSA MINIMAX_M3_SPARSE --input-lens 8192 1048000 \\
+        --output-len 16 --num-prompts 1 --concurrency 1 --warmups 0 --greedy-tokens 16 --startup-timeout 600 \\
+        --bench-timeout 600 --out /tmp/e2e1m -- --kv-cache-memory-bytes 30G
 
 Speculative decoding on one H200 (FLASH_MSA with and without n-gram speculation, M3's attention shapes):
 
@@ -99,12 +107,13 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
 from serve import local_server
-from serve.local_server import NotHealthyError, healthy, wait_healthy
+from serve.local_server import DIRECT, NotHealthyError, healthy, wait_healthy
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks); ITL p99:
 # the steps that did run them.
@@ -123,6 +132,7 @@ LOG_TAIL_LINES = 40
 PROMPT_SLACK = 64  # tokens of --max-model-len beyond input + output: vllm bench's random prompts may re-tokenize longer
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")  # bar colors, one per configuration
 REPEATED_PERIODS = (4, 10, 25, 40, 100, 300)  # tokens of the piece each --prompts repeated prompt repeats, in turn
+GREEDY_TOP = 5  # logprobs per greedy token (--greedy-tokens): the logit gap where the other's token is among them
 
 
 @dataclass
@@ -134,6 +144,7 @@ class Server:
     proc: subprocess.Popen | None = None
     started: float = 0.0  # time.monotonic() at the start
     results: dict[tuple[int, int], dict] = field(default_factory=dict)  # (input length, concurrency): result
+    greedy: dict[int, dict] = field(default_factory=dict)  # input length: greedy_tokens' tokens and logprobs
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -377,9 +388,59 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
         for server in [s for s in servers if not s.errors]:
             for i, (input_len, concurrency) in enumerate(opts.loads, 1):
                 bench_load(server, input_len, concurrency, f"load {i}/{len(opts.loads)}", opts)
+            for input_len in opts.input_lens if opts.greedy_tokens else ():
+                greedy_tokens(server, input_len, opts)
     finally:
         for server in servers:
             stop_server(server)
+
+
+def greedy_prompt(model_dir: Path, input_len: int) -> list[int]:
+    """input_len random token ids of the checkpoint's vocabulary, the same for every server (seeded by the length)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = config.get("text_config", config)["vocab_size"]
+    rng = random.Random(input_len)
+    return [rng.randrange(vocab_size) for _ in range(input_len)]
+
+
+def greedy_tokens(server: Server, input_len: int, opts) -> None:
+    """--greedy-tokens greedy tokens of greedy_prompt with their top logprobs into server.greedy[input_len] (and
+    greedy-NAME-LEN.json); a failure goes to server.errors."""
+    if server.proc.poll() is not None:
+        report_failure(server, f"server exited with {server.proc.returncode} before the greedy request", server.log)
+        return
+    print(f"[{server.name}] input {input_len}: {opts.greedy_tokens} greedy tokens ...", flush=True)
+    body = {
+        "model": "bench",
+        "prompt": greedy_prompt(opts.model_dir, input_len),
+        "max_tokens": opts.greedy_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": GREEDY_TOP,
+        "return_tokens_as_token_ids": True,  # vLLM's: tokens as "token_id:ID"
+    }
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    started = time.time()
+    try:
+        with DIRECT.open(request, timeout=opts.bench_timeout) as response:
+            logprobs = json.load(response)["choices"][0]["logprobs"]
+        greedy = {
+            "tokens": [_token_id(token) for token in logprobs["tokens"]],
+            "logprobs": logprobs["token_logprobs"],
+            "top_logprobs": [{_token_id(t): lp for t, lp in top.items()} for top in logprobs["top_logprobs"]],
+        }
+    except (OSError, KeyError, TypeError, ValueError) as e:  # urllib's errors are OSErrors
+        report_failure(server, f"the greedy request at input {input_len} failed: {e!r}", server.log)
+        return
+    server.greedy[input_len] = greedy
+    (opts.out / f"greedy-{server.name}-{input_len}.json").write_text(json.dumps(greedy))
+    print(f"[{server.name}] input {input_len}: greedy tokens {greedy['tokens']} ({time.time() - started:.0f} s)")
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -405,6 +466,36 @@ def table(servers: list[Server], loads: list[tuple[int, int]]) -> str:
             lines.append(f"| {load[0]} | {load[1]} | {server.name} | " + " | ".join(cells) + " |")
     errors = [f"- {s.name}: {e}" for s in servers for e in s.errors]
     return "\n".join(lines + (["", "Failures:", *errors] if errors else []))
+
+
+def agreement(servers: list[Server], input_lens: list[int]) -> str:
+    """Per input length and configuration after the first: the greedy tokens it shares with the first before they
+    differ, and the logit gap there in the first's distribution (its token's logprob minus the other's)."""
+    base = servers[0]
+    lines = [
+        f"Greedy tokens against {base.name} (--greedy-tokens; gap: {base.name}'s logprob of its token minus that "
+        f"of the other's at the first divergence, '>' where that is not among its top {GREEDY_TOP}):",
+        "",
+        "| input | config | tokens equal before a divergence | gap |",
+        "|---|---|---|---|",
+    ]
+    for input_len in input_lens:
+        want = base.greedy.get(input_len)
+        for server in servers[1:]:
+            got = server.greedy.get(input_len)
+            if want is None or got is None:
+                lines.append(f"| {input_len} | {server.name} | no tokens | - |")
+                continue
+            pairs = list(zip(want["tokens"], got["tokens"]))
+            same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            if same == len(pairs):
+                lines.append(f"| {input_len} | {server.name} | all {same} | - |")
+                continue
+            top, own = want["top_logprobs"][same], want["logprobs"][same]
+            other = got["tokens"][same]
+            gap = f"{own - top[other]:.3f}" if other in top else f"> {own - min(top.values()):.3f}"
+            lines.append(f"| {input_len} | {server.name} | {same} of {len(pairs)} | {gap} |")
+    return "\n".join(lines)
 
 
 def bar_chart_svg(title: str, names: list[str], results: list[dict], colors: list[str]) -> str:
@@ -505,6 +596,14 @@ def parse_args(argv):
         metavar="JSON",
         help="also serve each configuration with this vllm serve --speculative-config (named NAME+METHOD)",
     )
+    parser.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after its loads, ask each server for N greedy tokens of one prompt per input length and compare them "
+        "with the first configuration's (default 0: not asked)",
+    )
     parser.add_argument("--dense-backend", default="FLASH_ATTN", help="backend of the dense (and dense-layer) runs")
     parser.add_argument(
         "--parallel-start",
@@ -565,6 +664,8 @@ def main(argv=None):
     for group in [servers] if opts.parallel_start else [[s] for s in servers]:
         run_together(group, common, opts)
     report = table(servers, opts.loads)
+    if opts.greedy_tokens and len(servers) > 1:
+        report += "\n\n" + agreement(servers, opts.input_lens)
     (opts.out / "summary.md").write_text(report + "\n")
     print(report)
     for path in plot(servers, opts.loads, opts.out):

@@ -204,6 +204,18 @@ if args[0] == "serve":
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
+        def do_POST(self):  # greedy completions: the second server's third token differs, the first's second-best
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            second = int(opt("--port")) != PORT
+            tokens = [len(body["prompt"]), 7, 9 if second else 8, 5][: body["max_tokens"]]
+            top = [{f"token_id:{t}": -0.5, "token_id:9": -2.0} for t in tokens]
+            logprobs = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-0.5] * len(tokens),
+                        "top_logprobs": top}
+            answer = json.dumps({"choices": [{"logprobs": logprobs}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
         def log_message(self, *_):
             pass
     http.server.HTTPServer(("127.0.0.1", int(opt("--port"))), Health).serve_forever()
@@ -243,6 +255,8 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
             "B=--attention-backend X",
             "--config",
             "C=--attention-backend BROKEN",
+            "--greedy-tokens",
+            "4",
             "--out",
             str(out),
             "--",
@@ -270,3 +284,9 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
         "e2e-200-c4.svg",
     ]
     assert ">B</text>" in (out / "e2e-200-c4.svg").read_text()
+    # the same greedy prompt for every server (its length its first token here); B's third token differs, by a
+    # logit gap of 1.5 in A's distribution; C never started
+    assert a.greedy[200]["tokens"] == [200, 7, 8, 5] and b.greedy[100]["tokens"] == [100, 7, 9, 5]
+    assert bench_e2e.greedy_prompt(demo_model, 100) == bench_e2e.greedy_prompt(demo_model, 100)
+    assert json.loads((out / "greedy-B-200.json").read_text())["tokens"] == [200, 7, 9, 5]
+    assert "| 200 | B | 2 of 4 | 1.500 |" in summary and "| 100 | C | no tokens | - |" in summary
