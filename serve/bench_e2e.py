@@ -99,6 +99,7 @@ Speculative decoding on one H200 (FLASH_MSA with and without n-gram speculation,
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import random
@@ -107,13 +108,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a script
 from serve import local_server
-from serve.local_server import DIRECT, NotHealthyError, healthy, wait_healthy
+from serve.local_server import NotHealthyError, healthy, post_json, wait_healthy
 
 # Median ITL: the decode step alone (TPOT also carries the steps that run other requests' prefill chunks); ITL p99:
 # the steps that did run them.
@@ -395,6 +395,7 @@ def run_together(servers: list[Server], common: list[str], opts) -> None:
             stop_server(server)
 
 
+@functools.cache  # one prompt per length, whichever server asks
 def greedy_prompt(model_dir: Path, input_len: int) -> list[int]:
     """input_len random token ids of the checkpoint's vocabulary, the same for every server (seeded by the length)."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -419,13 +420,9 @@ def greedy_tokens(server: Server, input_len: int, opts) -> None:
         "logprobs": GREEDY_TOP,
         "return_tokens_as_token_ids": True,  # vLLM's: tokens as "token_id:ID"
     }
-    request = urllib.request.Request(
-        f"{server.url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     started = time.time()
     try:
-        with DIRECT.open(request, timeout=opts.bench_timeout) as response:
-            logprobs = json.load(response)["choices"][0]["logprobs"]
+        logprobs = post_json(f"{server.url}/v1/completions", body, opts.bench_timeout)["choices"][0]["logprobs"]
         greedy = {
             "tokens": [_token_id(token) for token in logprobs["tokens"]],
             "logprobs": logprobs["token_logprobs"],

@@ -37,7 +37,6 @@ import re
 import shlex
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -53,7 +52,7 @@ from serve.bench_e2e import (
     stop_server,
     wait_until_healthy,
 )
-from serve.local_server import DIRECT
+from serve.local_server import post_json
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
 from vllm_msa.checkpoint import EOS
 
@@ -80,9 +79,7 @@ def ask(url: str, endpoint: str, prompt: PassKeyPrompt, tokenizer) -> str:
     else:
         body["prompt"] = prompt.prompt_ids if endpoint == "ids" else tokenizer.decode(prompt.prompt_ids)
         path = "/v1/completions"
-    request = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with DIRECT.open(request, timeout=REQUEST_TIMEOUT_S) as response:
-        choice = json.loads(response.read())["choices"][0]
+    choice = post_json(f"{url}{path}", body, REQUEST_TIMEOUT_S)["choices"][0]
     return choice["message"]["content"] if endpoint == "chat" else choice["text"]
 
 

@@ -1,5 +1,5 @@
 """Local vLLM servers: start one in its own process session with its log, wait until GET /health answers 200,
-stop it with every process it started.
+stop it with every process it started; post JSON requests to it.
 
 The one Python helper for servers of the project: the tests' demo server (`tests/serving.py`) and the
 end-to-end benchmark's servers (`serve/bench_e2e.py`, also serve/eval_needle.py's) start and stop through it,
@@ -12,6 +12,7 @@ test runs it without vLLM installed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -40,6 +41,14 @@ def health_status(url: str, timeout_s: float = 5.0) -> int | str:
 
 def healthy(url: str) -> bool:
     return health_status(url) == 200
+
+
+def post_json(url: str, body: dict, timeout_s: float) -> dict:
+    """POST body as JSON to url (e.g. {server}/v1/completions) and return the JSON answer; urllib's errors (an
+    HTTPError for a non-2xx answer) are OSErrors."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with DIRECT.open(request, timeout=timeout_s) as response:
+        return json.load(response)
 
 
 def wait_healthy(
