@@ -66,8 +66,8 @@ def layer_call(requests: list[tuple[int, int]], device: str = "cuda"):
     chosen = ops.kernels(q.device, q.dtype, index_keys.dtype, False, M3_SHAPE)
 
     def call():
-        selected = chosen.select_blocks(index_q, index_keys, plan, M3_SHAPE, out=ops.layer_selection(plan, M3_SHAPE))
-        chosen.sparse_attention(q, kv, plan, selected, M3_SHAPE, SCALE, out=out)
+        selected = chosen.select_blocks(index_q, index_keys, plan, out=ops.layer_selection(plan, M3_SHAPE))
+        chosen.sparse_attention(q, kv, plan, selected, SCALE, out=out)
 
     return call
 

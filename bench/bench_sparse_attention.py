@@ -142,7 +142,6 @@ def decode_splits(bw):
     for batch in (1, DECODE_BATCHES[-1]):
         pb, q, _, kv, _, selected = paged_problem([(context, 1)] * batch)
         nbytes = selected_kv_bytes(batch, context)
-        inputs = sparse_attn.attention_inputs(q, kv, pb, selected)
         out = torch.empty_like(q)
         print(f"\n## decode split-K sweep ({context} x {batch})\n")
         print("| splits | tiles per split | sparse attn us | attention kernel us | combine us | % copy bw |")
@@ -154,8 +153,7 @@ def decode_splits(bw):
             lse = torch.empty((plan.splits, batch, M3_SHAPE.num_q_heads), dtype=torch.float32, device="cuda")
             partial = torch.empty((plan.splits, *q.shape), dtype=torch.float32, device="cuda")
             target = partial if plan.splits > 1 else out.view(1, *q.shape)
-            q_, kv_, table, seq_lens, positions, selected_ = inputs
-            arguments = (q_, kv_, table, seq_lens, pb.token_requests, positions, selected_, target, lse)
+            arguments = (q, kv, pb.block_table, pb.seq_lens, pb.token_requests, pb.positions, selected, target, lse)
             t_kernel = graph_timed(lambda: plan.kernel(*arguments, SCALE, 1.0, plan.tiles_per_split))
             t_combine = graph_timed(lambda: combine_splits(partial, lse, out)) if plan.splits > 1 else 0.0
             mark = f" (chosen; {resident} resident CTAs)" if splits == chosen else ""

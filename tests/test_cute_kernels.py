@@ -8,6 +8,7 @@ import torch
 
 from msa_kernels import reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, page_bytes, quantize_rows
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import M3_SHAPE, MSAShape
 from msa_kernels.stand_ins import SignatureCheck, check_arguments, stand_in_kernels
 from msa_kernels.testing import make_case
@@ -279,6 +280,45 @@ def test_a_layer_call_passes_each_kernel_what_its_signature_takes(batch_name, in
     assert all(fp8 == (index_keys == "fp8") for fp8 in fp8_params)
 
 
+@pytest.mark.parametrize("batch_name", LAUNCH_BATCHES)
+def test_the_layers_of_a_step_bind_its_launches_once(batch_name, launches, monkeypatch):
+    """The first layer call of a step works out what its kernels take from the step (splits, tiles, score chunks,
+    work tensors); the next layer's call, on other tensors, launches the same kernels on the same step tensors
+    without working any of it out again."""
+    from msa_kernels import ops
+    from msa_kernels.shapes import PagedBatch
+
+    case = launch_case(batch_name)
+    chosen = ops.kernels(case.q.device, case.q.dtype, case.q.dtype, False, M3_SHAPE)
+
+    def layer_call(q, index_q, kv_cache, index_key_cache, out):
+        selected = chosen.select_blocks(
+            index_q, index_key_cache, case.plan, out=ops.layer_selection(case.plan, M3_SHAPE)
+        )
+        chosen.sparse_attention(q, kv_cache, case.plan, selected, case.scale, out=out)
+
+    inputs = [case.q.contiguous(), case.index_q.contiguous(), case.kv_cache, case.index_key_cache]
+    inputs.append(torch.empty(case.q.shape, dtype=case.q.dtype))  # the layer's output
+    layer_call(*inputs)
+    first = list(launches.launches)
+
+    def worked_out_again(*args, **kwargs):
+        raise AssertionError("a step's launch worked out again by a later layer")
+
+    for owner, name in [(ops, "_score_chunks"), (sparse_attn, "_launch_plan"), (topk_blocks, "row_threads")]:
+        monkeypatch.setattr(owner, name, worked_out_again)
+    monkeypatch.setattr(PagedBatch, "request_tiles", worked_out_again)
+    other = [t.clone() for t in inputs]  # the next layer's
+    layer_call(*other)
+    second = launches.launches[len(first) :]
+    assert [launch.kernel for launch in second] == [launch.kernel for launch in first]
+    layer_inputs = {t.untyped_storage().data_ptr() for t in (*inputs, *other)}  # and their views
+    for a, b in zip(first, second):
+        for x, y in zip(a.args, b.args):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in layer_inputs:
+                assert x.data_ptr() == y.data_ptr(), f"{a.kernel}: a step tensor moved between layers"
+
+
 @pytest.mark.parametrize("batch_name", ["decode", "prefill"])
 def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launches):
     from msa_kernels import ops
@@ -286,7 +326,7 @@ def test_an_fp8_kv_cache_reaches_the_per_token_kernel_as_e4m3(batch_name, launch
     case = launch_case(batch_name)
     fp8 = reference.fp8_kv_cache(case.kv_cache, (0.5, 2.0))
     fp8_kv_kernels = ops.kernels(case.q.device, case.q.dtype, case.q.dtype, True, M3_SHAPE)
-    assert fp8_kv_kernels.steps(batch_name).attention is sparse_attn.sparse_attention
+    assert fp8_kv_kernels.steps(batch_name).bind_attention is sparse_attn.bind_attention
     selected = case.reference_selection()
     ops.sparse_attention(case.q, fp8, case.plan, selected, M3_SHAPE, case.scale, out=torch.empty_like(case.q))
     attention = [launch.params for launch in launches.launches if launch.kernel == "SparseAttentionKernel"]
@@ -406,8 +446,11 @@ def test_index_score_kernel_matches_reference(case_name, hi, hki, dp, phase, lan
     positions = case.batch.positions
     assert torch.equal(reference.topk_blocks(got, positions, shape), reference.topk_blocks(want, positions, shape))
     if phase == "prefill":  # as select_blocks runs it: hidden blocks unwritten, which top-k must not read
-        unfilled = launch(case.index_q, case.index_key_cache, case.batch, shape, fill_hidden=False)
-        unfilled[~finite] = float("nan")  # whatever the memory held
+        workspace = Workspace(case.index_q.device)
+        workspace.block_scores(tuple(got.shape)).fill_(float("nan"))  # whatever the memory held
+        unfilled = index_scores_prefill.bind_block_scores(case.batch, shape, workspace)(
+            case.index_q, case.index_key_cache
+        )
         assert torch.equal(unfilled[finite], got[finite])
         selected = topk_blocks.topk_blocks(unfilled, positions, shape, phase="prefill")
         assert torch.equal(selected, topk_blocks.topk_blocks(got, positions, shape, phase="prefill"))
@@ -703,7 +746,7 @@ def test_sparse_attention_kernel_reads_an_fp8_kv_cache(case_name, hq, hkv, hi, d
     kv_scales = (0.37, 1.9)
     fp8 = reference.fp8_kv_cache(case.kv_cache, kv_scales)
     fp8_kv_kernels = ops.kernels(case.q.device, case.q.dtype, case.q.dtype, True, shape)
-    assert fp8_kv_kernels.decode.attention is fp8_kv_kernels.prefill.attention is sparse_attn.sparse_attention
+    assert fp8_kv_kernels.decode.bind_attention is fp8_kv_kernels.prefill.bind_attention is sparse_attn.bind_attention
     selected = case.reference_selection()
     out = torch.full_like(case.q, float("nan"))
     got = ops.sparse_attention(case.q, fp8, case.plan, selected, shape, case.scale, out=out, kv_scales=kv_scales)

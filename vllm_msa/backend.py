@@ -251,7 +251,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         """The blocks [T, Hi, K] (-1 = none) each query token's index heads attend to: index scores, top-k."""
         n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
         selected = ops.layer_selection(plan, self.shape)  # the observer consumes it before the next layer's call
-        return self.kernels.select_blocks(index_query[:n], index_key_cache, plan, self.shape, out=selected)
+        return self.kernels.select_blocks(index_query[:n], index_key_cache, plan, out=selected)
 
     def attend(
         self,
@@ -271,7 +271,6 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
             kv_cache,
             plan,
             selected,
-            self.shape,
             self.scale,
             out=output[:n],
             kv_scales=layer_kv_scales(layer),

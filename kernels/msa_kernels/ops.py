@@ -39,13 +39,14 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from msa_kernels import reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
-from msa_kernels.plan import StepPlan
+from msa_kernels.plan import PlanPart, StepPlan, Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch, Phase
 
 CUTE_DSL_REQUIREMENTS = {  # pyproject.toml's, by import name: CuTeDSL (vLLM 0.34's pin), its calling convention
@@ -95,31 +96,36 @@ def unserved_reason(device: torch.device, dtype: torch.dtype, shape: MSAShape) -
 
 
 class Steps(NamedTuple):
-    """The implementations of one phase's part of a step:
+    """The implementations of one phase's part of a step. The bind_ ones take what the layers of a step share (the
+    part's batch, its workspace) and return the launch a layer call makes, which the part's workspace keeps for the
+    step (msa_kernels.plan.Workspace.launch):
 
     index_scores(index_q, index_key_cache, batch, shape): every visible block's score (index_block_scores);
-    selection_scores(index_q, index_key_cache, batch, shape, workspace): the same as top-k needs them (it reads
-    each row's visible blocks only, so an implementation may leave the others unwritten; the decode kernels write
-    them into the part's workspace, which top-k consumes before the next call: a prefill part's, up to SCORE_BYTES,
-    are freed after top-k);
-    topk(scores, positions, shape, out);
-    attention(q, kv_cache, batch, selected, shape, scale, out=, kv_scales=, workspace=) on a contiguous K/V cache of
-    the chooser's kind (bf16 or FP8; one whose head dim is strided runs the reference)."""
+    bind_scores(batch, shape, workspace) -> (index_q, index_key_cache) -> the scores as top-k needs them, in the
+        workspace's (top-k reads each row's visible blocks only, so an implementation may leave the others as the
+        memory held them; top-k consumes them before the next call);
+    bind_topk(positions, max_blocks, shape) -> (scores, out) -> None: into out [T, Hi, K] int32, contiguous;
+    bind_attention(batch, shape, topk, fp8_kv, workspace) -> (q, kv_cache, selected, scale, out, kv_scales) -> the
+        output (out where given), on a contiguous K/V cache of the chooser's kind (bf16 or FP8; one whose head dim is
+        strided runs the reference)."""
 
     index_scores: Callable
-    selection_scores: Callable
-    topk: Callable
-    attention: Callable
+    bind_scores: Callable
+    bind_topk: Callable
+    bind_attention: Callable
 
 
-class Kernels(NamedTuple):
-    """What runs every step of a layer: the decode part's steps, the prefill part's, and what writes the step's
-    index keys into an FP8 index-key cache. Chosen once per kind of layer (kernels()); a layer holds its own
-    (vllm_msa's MSAImpl), so its calls look nothing up."""
+@dataclass(frozen=True, eq=False)  # compared and hashed as itself: a key of its bound launches
+class Kernels:
+    """What runs every step of a layer of one shape: the decode part's steps, the prefill part's, and what writes
+    the step's index keys into an FP8 index-key cache. Chosen once per kind of layer (kernels()); a layer holds its
+    own (vllm_msa's MSAImpl), and the first layer call of a step binds them to the step's parts for the others, so
+    a call looks nothing up and works nothing out again."""
 
     decode: Steps
     prefill: Steps
     write_fp8_index_keys: Callable
+    shape: MSAShape
 
     def steps(self, phase: Phase) -> Steps:
         return self.decode if phase == "decode" else self.prefill
@@ -140,11 +146,11 @@ class Kernels(NamedTuple):
         index_q: torch.Tensor,
         index_key_cache: torch.Tensor | Fp8IndexKeyCache,
         plan: StepPlan,
-        shape: MSAShape,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Index scores, then top-k: the selected blocks [T, Hi, K] int32 (the plan's batch: the index-key cache's
         block table), written into out if given (e.g. layer_selection)."""
+        shape = self.shape
         selected = (
             out
             if out is not None
@@ -155,14 +161,34 @@ class Kernels(NamedTuple):
             )
         )
         for part in plan.parts:
-            steps = self.steps(part.phase)
-            part_q, part_selected = part.of(index_q), part.of(selected)
-            for chunk_rows, chunk in _score_chunks(part.batch, shape):
-                scores = steps.selection_scores(
-                    _rows(part_q, chunk_rows), index_key_cache, chunk, shape, part.workspace
-                )
-                steps.topk(scores, chunk.positions, shape, out=_rows(part_selected, chunk_rows))
+            select = part.workspace.launch((self, "selection"), self._bind_selection, part)
+            select(part.of(index_q), index_key_cache, part.of(selected))
         return selected
+
+    def _bind_selection(self, part: PlanPart) -> Callable[..., None]:
+        """select_blocks' launch on one part: its score chunks (_score_chunks) scored and selected in turn (the
+        chunks share one block-score tensor, the first's the largest)."""
+        steps = self.steps(part.phase)
+        chunks = [
+            (
+                rows,
+                steps.bind_scores(chunk, self.shape, part.workspace),
+                steps.bind_topk(chunk.positions, chunk.block_table.shape[1], self.shape),
+            )
+            for rows, chunk in _score_chunks(part.batch, self.shape)
+        ]
+
+        def select(index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, out: torch.Tensor) -> None:
+            for rows, scores, topk in chunks:
+                chunk_out = _rows(out, rows)
+                if chunk_out.is_contiguous():
+                    topk(scores(_rows(index_q, rows), index_key_cache), chunk_out)
+                else:
+                    selected = torch.empty_like(chunk_out, memory_format=torch.contiguous_format)
+                    topk(scores(_rows(index_q, rows), index_key_cache), selected)
+                    chunk_out.copy_(selected)
+
+        return select
 
     def sparse_attention(
         self,
@@ -170,7 +196,6 @@ class Kernels(NamedTuple):
         kv_cache: torch.Tensor,
         plan: StepPlan,
         selected: torch.Tensor,
-        shape: MSAShape,
         scale: float,
         out: torch.Tensor | None = None,
         kv_scales: tuple[float, float] = (1.0, 1.0),
@@ -179,24 +204,20 @@ class Kernels(NamedTuple):
         K/V cache of the kind these kernels were chosen for (bf16, or FP8 dequantised with kv_scales = (k_scale,
         v_scale)); the kernels read any view with the head dim innermost (vLLM's cache through reference.kv_planes),
         a K/V cache whose head dim is strided runs the reference."""
+        shape = self.shape
         result = out if out is not None else q.new_empty((plan.batch.num_tokens, shape.num_q_heads, shape.head_dim))
         if kv_cache.stride(-1) != 1:
             return reference.sparse_attention(
                 q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
             )
+        key = (self, "attention", selected.shape[-1], reference.is_fp8_kv(kv_cache))
         for part in plan.parts:
-            self.steps(part.phase).attention(
-                part.of(q),
-                kv_cache,
-                part.batch,
-                part.of(selected),
-                shape,
-                scale,
-                out=part.of(result),
-                kv_scales=kv_scales,
-                workspace=part.workspace,
-            )
+            attend = part.workspace.launch(key, self._bind_attention, part, *key[2:])
+            attend(part.of(q), kv_cache, part.of(selected), scale, part.of(result), kv_scales)
         return result
+
+    def _bind_attention(self, part: PlanPart, topk: int, fp8_kv: bool) -> Callable[..., torch.Tensor]:
+        return self.steps(part.phase).bind_attention(part.batch, self.shape, topk, fp8_kv, part.workspace)
 
 
 @functools.cache
@@ -210,23 +231,31 @@ def kernels(
         _steps(device, dtype, index_key_dtype, fp8_kv, shape, "decode"),
         _steps(device, dtype, index_key_dtype, fp8_kv, shape, "prefill"),
         _fp8_index_key_writer(device, dtype, shape),
+        shape,
     )
 
 
-def _reference_selection_scores(index_q, index_key_cache, batch, shape, workspace):
-    return reference.index_block_scores(index_q, index_key_cache, batch, shape)
+def _bind_reference_scores(batch: PagedBatch, shape: MSAShape, workspace: Workspace) -> Callable:
+    return lambda index_q, index_key_cache: reference.index_block_scores(index_q, index_key_cache, batch, shape)
 
 
-def _reference_attention(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
-    return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=out, kv_scales=kv_scales)
+def _bind_reference_topk(positions: torch.Tensor, max_blocks: int, shape: MSAShape) -> Callable:
+    return lambda scores, out: reference.topk_blocks(scores, positions, shape, out=out)
+
+
+def _bind_reference_attention(
+    batch: PagedBatch, shape: MSAShape, topk: int, fp8_kv: bool, workspace: Workspace
+) -> Callable:
+    def attend(q, kv_cache, selected, scale, out, kv_scales):
+        return reference.sparse_attention(q, kv_cache, batch, selected, shape, scale, out=out, kv_scales=kv_scales)
+
+    return attend
 
 
 def _steps(
     device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, fp8_kv: bool, shape: MSAShape, phase: Phase
 ) -> Steps:
-    steps = Steps(
-        reference.index_block_scores, _reference_selection_scores, reference.topk_blocks, _reference_attention
-    )
+    steps = Steps(reference.index_block_scores, _bind_reference_scores, _bind_reference_topk, _bind_reference_attention)
     if not _on_hopper(device):
         return steps
     from msa_kernels.cute import (
@@ -240,39 +269,37 @@ def _steps(
 
     served = (dtype, index_key_dtype, shape.index_head_dim, shape.block_size)
     if phase == "prefill" and index_scores_prefill.PrefillIndexScoreKernel.can_implement(*served):
-        prefill = index_scores_prefill.prefill_index_block_scores
-
-        def prefill_selection_scores(index_q, index_key_cache, batch, shape, workspace):
-            return prefill(index_q, index_key_cache, batch, shape, fill_hidden=False)
-
-        steps = steps._replace(index_scores=prefill, selection_scores=prefill_selection_scores)
-    elif index_scores.IndexScoreKernel.can_implement(*served):
         steps = steps._replace(
-            index_scores=index_scores.index_block_scores, selection_scores=index_scores.index_block_scores
+            index_scores=index_scores_prefill.prefill_index_block_scores,
+            bind_scores=index_scores_prefill.bind_block_scores,
         )
+    elif index_scores.IndexScoreKernel.can_implement(*served):
+        steps = steps._replace(index_scores=index_scores.index_block_scores, bind_scores=index_scores.bind_block_scores)
     elif index_scores_fp8.Fp8IndexScoreKernel.can_implement(*served):
-        fp8_decode = index_scores_fp8.fp8_index_block_scores
-        steps = steps._replace(index_scores=fp8_decode, selection_scores=fp8_decode)
+        steps = steps._replace(
+            index_scores=index_scores_fp8.fp8_index_block_scores, bind_scores=index_scores_fp8.bind_block_scores
+        )
     elif index_key_dtype == Fp8IndexKeyCache.dtype:
         _warn_fp8_index_keys_run_the_reference()
     score_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # what either path returns
     if topk_blocks.TopkBlocksKernel.can_implement(score_dtype):
-        steps = steps._replace(topk=functools.partial(topk_blocks.topk_blocks, phase=phase))
+        steps = steps._replace(bind_topk=functools.partial(topk_blocks.bind_topk, phase=phase))
     heads = (shape.num_q_heads, shape.num_index_heads)
     if (
         not fp8_kv
         and phase == "prefill"
         and sparse_attn_prefill.PrefillAttentionKernel.can_implement(dtype, *heads, shape.head_dim, shape.block_size)
     ):
-        prefill_attention = sparse_attn_prefill.prefill_sparse_attention
+        bind_prefill = sparse_attn_prefill.bind_attention
 
-        def prefill_attention_bf16(q, kv_cache, batch, selected, shape, scale, out, kv_scales, workspace):
-            return prefill_attention(q, kv_cache, batch, selected, shape, scale, out, workspace)  # bf16: no K/V scales
+        def bind_prefill_attention(batch, shape, topk, fp8_kv, workspace):
+            attend = bind_prefill(batch, shape, topk, workspace)
+            return lambda q, kv_cache, selected, scale, out, kv_scales: attend(q, kv_cache, selected, scale, out)
 
-        steps = steps._replace(attention=prefill_attention_bf16)
+        steps = steps._replace(bind_attention=bind_prefill_attention)  # bf16 pages: no K/V scales
     elif sparse_attn.SparseAttentionKernel.can_implement(dtype, shape.head_dim, shape.block_size):
         # decode tokens, and an FP8 K/V cache's prefill tokens (the prefill kernel reads bf16 pages only)
-        steps = steps._replace(attention=sparse_attn.sparse_attention)
+        steps = steps._replace(bind_attention=sparse_attn.bind_attention)
     return steps
 
 
@@ -319,7 +346,8 @@ def uses_cute_index_scores(
 def uses_cute_sparse_attention(q: torch.Tensor, shape: MSAShape, phase: Phase = "decode") -> bool:
     """Whether a CuTeDSL kernel attends for this phase's part with such queries (and a bf16 K/V cache whose head dim
     is contiguous)."""
-    return kernels(q.device, q.dtype, q.dtype, False, shape).steps(phase).attention is not _reference_attention
+    chosen = kernels(q.device, q.dtype, q.dtype, False, shape)
+    return chosen.steps(phase).bind_attention is not _bind_reference_attention
 
 
 def describe(
@@ -334,8 +362,8 @@ def describe(
     prefill_index = _implementation(chosen.prefill.index_scores is not reference.index_block_scores)
     if prefill_index != index:
         index = f"{index} (decode), {prefill_index} (prefill)"
-    topk = _implementation(chosen.decode.topk is not reference.topk_blocks)
-    attention = _implementation(chosen.decode.attention is not _reference_attention)
+    topk = _implementation(chosen.decode.bind_topk is not _bind_reference_topk)
+    attention = _implementation(chosen.decode.bind_attention is not _bind_reference_attention)
     described = f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
     if index_key_dtype == Fp8IndexKeyCache.dtype:
         writes = _implementation(chosen.write_fp8_index_keys is not reference.write_index_keys)
@@ -359,7 +387,7 @@ def graph_capturable(
     (vLLM's cache op writes bf16 index keys). index_key_dtype as for uses_cute_index_scores."""
     device, index_key_dtype = torch.device(device), index_key_dtype or dtype
     chosen = kernels(device, dtype, index_key_dtype, False, shape)
-    if chosen.decode.attention is _reference_attention:
+    if chosen.decode.bind_attention is _bind_reference_attention:
         return False
     writes = index_key_dtype != Fp8IndexKeyCache.dtype or chosen.write_fp8_index_keys is not reference.write_index_keys
     return writes and chosen.decode.index_scores is not reference.index_block_scores
@@ -388,7 +416,7 @@ def select_blocks(
 ) -> torch.Tensor:
     """Kernels.select_blocks with the kernels chosen for these index queries and this index-key cache."""
     chosen = kernels(index_q.device, index_q.dtype, index_key_cache.dtype, False, shape)
-    return chosen.select_blocks(index_q, index_key_cache, plan, shape, out)
+    return chosen.select_blocks(index_q, index_key_cache, plan, out)
 
 
 def layer_selection(plan: StepPlan, shape: MSAShape) -> torch.Tensor:
@@ -425,7 +453,7 @@ def sparse_attention(
     """Kernels.sparse_attention with the kernels chosen for these queries and this K/V cache (an FP8 one:
     reference.is_fp8_kv)."""
     chosen = kernels(q.device, q.dtype, q.dtype, reference.is_fp8_kv(kv_cache), shape)
-    return chosen.sparse_attention(q, kv_cache, plan, selected, shape, scale, out, kv_scales)
+    return chosen.sparse_attention(q, kv_cache, plan, selected, scale, out, kv_scales)
 
 
 def msa_attention(

@@ -2,8 +2,9 @@
 
 vLLM's metadata builder makes the plan of every step (StepPlan.of with vLLM's count of decode requests) and every
 MSA layer of the step runs on it through msa_kernels.ops: the parts are not split again per layer, and the work
-tensors a layer call fills and consumes (the decode index scores on their way to top-k, the decode attention's
-split-K partials, the step's selection) are made by the first layer that needs them and reused by the others.
+tensors a layer call fills and consumes (the index scores on their way to top-k, the decode attention's split-K
+partials, the step's selection) and the kernels bound to them and to the part's batch (launches) are made by the
+first layer that needs them and reused by the others.
 Other callers (tests, benchmarks) plan their batch once with StepPlan.of, which splits at the first request with
 more new tokens than a decode brings.
 
@@ -13,27 +14,40 @@ more new tokens than a decode brings.
     each part: its PagedBatch (phase "decode" or "prefill"), the rows of the step's tokens it owns, its Workspace
 """
 
+import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, PagedBatch, Phase
 
+Launch = TypeVar("Launch")
+
 
 class Workspace:
-    """The work tensors of one part of a step (or of the whole step: its selection), each made at the first call
-    that asks for it and handed to every later call that asks for the same size: the layers of a step share them
-    (on a GPU each allocation costs microseconds of host time per layer call). A call fills what it asks for and
-    consumes it before it returns, so the calls of one step must run in one stream's order, as vLLM's layers do.
+    """What the layers of one part of a step (or of the whole step: its selection) share, each made at the first
+    call that asks for it and handed to every later call (on a GPU each allocation or launch set-up costs
+    microseconds of host time per layer call):
+
+    - work tensors, one per use: a call fills what it asks for and consumes it before it returns, so the calls of
+      one step must run in one stream's order, as vLLM's layers do. A smaller ask gets the front of the largest
+      made so far (a long prefill's score chunks share one);
+    - launches (launch): a layer's kernels bound to the part's batch and work tensors, so a layer call passes only
+      its own tensors.
+
     One made during CUDA-graph capture is kept apart from one made outside it, so a graph holds memory of its own
     pool only and eager calls never write a graph's."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._tensors: dict[tuple[str, tuple[int, ...], bool], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
+        self._views: dict[tuple[str, tuple[int, ...], bool], torch.Tensor] = {}
+        self._launches: dict[tuple[Hashable, bool], Any] = {}
 
     def block_scores(self, size: tuple[int, int, int]) -> torch.Tensor:
-        """[T, Hi, max_blocks] fp32: a decode part's index block scores, which top-k reads."""
+        """[T, Hi, max_blocks] fp32: a part's index block scores, which top-k reads."""
         return self._tensor("block scores", size, torch.float32)
 
     def split_outputs(self, size: tuple[int, int, int, int]) -> torch.Tensor:
@@ -52,13 +66,24 @@ class Workspace:
         """[T, Hi, K] int32: a layer's selected blocks, which its attention reads (the step's workspace)."""
         return self._tensor("selection", size, torch.int32)
 
+    def launch(self, key: Hashable, bind: Callable[..., Launch], *args: Any) -> Launch:
+        """What bind(*args) returns (a launch bound to this part), made at the first call with this key."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        launch = self._launches.get((key, capturing))
+        if launch is None:
+            launch = self._launches[(key, capturing)] = bind(*args)
+        return launch
+
     def _tensor(self, use: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        key = (use, size, capturing)
-        tensor = self._tensors.get(key)
-        if tensor is None:
-            tensor = self._tensors[key] = torch.empty(size, dtype=dtype, device=self.device)
-        return tensor
+        view = self._views.get((use, size, capturing))
+        if view is None:
+            numel = math.prod(size)
+            buffer = self._buffers.get((use, capturing))
+            if buffer is None or buffer.numel() < numel:
+                buffer = self._buffers[(use, capturing)] = torch.empty(numel, dtype=dtype, device=self.device)
+            view = self._views[(use, size, capturing)] = buffer[:numel].view(size)
+        return view
 
 
 @dataclass(frozen=True)

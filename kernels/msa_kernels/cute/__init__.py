@@ -38,6 +38,9 @@ shared
 A kernel file's anatomy: a frozen params dataclass (the static configuration), the kernel class with
 can_implement (classmethod: the dtype and shapes it serves; msa_kernels.ops asks it), fake_arguments
 (staticmethod: the symbolic arguments runtime.compiled_kernel compiles it on), the @cute.jit __call__
-(layouts, grid) and the @cute.kernel kernel, then its launcher. This file imports nothing; the kernel
-files import CuTeDSL.
+(layouts, grid) and the @cute.kernel kernel, then its launcher: a function with the reference's contract and
+its bind_ form (bind_block_scores, bind_topk, bind_attention, bind_combine), which works out once what the calls
+of a step share (the compiled kernel, splits, tiles, work tensors) and returns the launch a layer call makes
+(msa_kernels.ops keeps it in the step part's workspace for the step's other layers). This file imports nothing;
+the kernel files import CuTeDSL.
 """

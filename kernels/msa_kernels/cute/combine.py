@@ -10,6 +10,7 @@ count waited once per group of loads. combine_splits launches it.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,8 +90,14 @@ class CombineKernel:
 
 def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Merge partials [S, T, Hq, D] fp32 with their log-sum-exps [S, T, Hq] into out [T, Hq, D] bf16 (contiguous)."""
+    bind_combine(partial_out, partial_lse)(out)
+
+
+def bind_combine(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """combine_splits bound to its partials (a step part's, which its layers share): out -> None."""
     splits, _, num_q_heads, head_dim = partial_out.shape
-    _kernel(num_q_heads, head_dim, splits)(partial_out, partial_lse, out)
+    kernel = _kernel(num_q_heads, head_dim, splits)
+    return lambda out: kernel(partial_out, partial_lse, out)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ index_block_scores launches it (FP8 index-key pages: index_scores_fp8.py), with 
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -188,11 +189,23 @@ def index_block_scores(
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 index-key
     cache on Hopper: every token on its own. workspace: into its block scores (runtime.block_scores_out)."""
+    return bind_block_scores(batch, shape, workspace)(index_q, index_key_cache)
+
+
+def bind_block_scores(
+    batch: PagedBatch, shape: MSAShape, workspace: Workspace | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """index_block_scores bound to a batch (what a step's layers share worked out once): (index_q, index_key_cache)
+    -> the block scores."""
     out = block_scores_out(batch, shape.num_index_heads, workspace)
-    _kernel(shape, lane_elems_for(batch.num_tokens))(
-        index_q.contiguous(), index_key_cache, batch.block_table, batch.token_requests, batch.positions, out
-    )
-    return out
+    kernel = _kernel(shape, lane_elems_for(batch.num_tokens))
+    batch_inputs = (batch.block_table, batch.token_requests, batch.positions)
+
+    def launch(index_q: torch.Tensor, index_key_cache: torch.Tensor) -> torch.Tensor:
+        kernel(index_q.contiguous(), index_key_cache, *batch_inputs, out)
+        return out
+
+    return launch
 
 
 @functools.cache

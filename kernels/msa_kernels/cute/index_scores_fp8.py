@@ -26,6 +26,7 @@ the SIMT kernel reaches 90%. fp8_index_block_scores launches it (decode parts).
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -299,17 +300,23 @@ def fp8_index_block_scores(
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and an FP8 index-key cache
     on Hopper: every token on its own. workspace: into its block scores (runtime.block_scores_out)."""
+    return bind_block_scores(batch, shape, workspace)(index_q, index_key_cache)
+
+
+def bind_block_scores(
+    batch: PagedBatch, shape: MSAShape, workspace: Workspace | None = None
+) -> Callable[[torch.Tensor, Fp8IndexKeyCache], torch.Tensor]:
+    """fp8_index_block_scores bound to a batch (what a step's layers share worked out once): (index_q,
+    index_key_cache) -> the block scores."""
     out = block_scores_out(batch, shape.num_index_heads, workspace)
-    _kernel(shape)(
-        index_q.contiguous(),
-        index_key_cache.values,
-        index_key_cache.scales,
-        batch.block_table,
-        batch.token_requests,
-        batch.positions,
-        out,
-    )
-    return out
+    kernel = _kernel(shape)
+    batch_inputs = (batch.block_table, batch.token_requests, batch.positions)
+
+    def launch(index_q: torch.Tensor, index_key_cache: Fp8IndexKeyCache) -> torch.Tensor:
+        kernel(index_q.contiguous(), index_key_cache.values, index_key_cache.scales, *batch_inputs, out)
+        return out
+
+    return launch
 
 
 @functools.cache

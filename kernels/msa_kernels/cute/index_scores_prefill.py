@@ -25,10 +25,11 @@ Tiles are launched last first: the causal work grows along the request, so the l
 in the first wave.
 
 Blocks past a row's position are not written: prefill_index_block_scores, its launcher, fills out
-with -inf first, unless its caller only reads each row's visible blocks (top-k: fill_hidden=False).
+with -inf first; bind_block_scores, for top-k, which reads each row's visible blocks only, does not.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,9 +41,10 @@ import torch
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from msa_kernels.cute.fake import env_stream, row_major
-from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.runtime import block_scores_out, compiled_kernel
 from msa_kernels.cute.warp_mma import acc_rows_cols, copy_rows, quad_reduce, row_copy, warpgroup_gemm_nt
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache, quantize_rows
+from msa_kernels.plan import Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch
 
 if TYPE_CHECKING:
@@ -337,26 +339,42 @@ def prefill_index_block_scores(
     index_key_cache: torch.Tensor | Fp8IndexKeyCache,
     batch: PagedBatch,
     shape: MSAShape,
-    fill_hidden: bool = True,
 ) -> torch.Tensor:
     """Same contract as msa_kernels.reference.index_block_scores, for bf16 index queries and a bf16 or FP8
     index-key cache on Hopper: each request's tokens in tiles of PREFILL_TILE_TOKENS. With FP8 keys the
-    queries are rounded to e4m3 here, per token and index head (quantize_rows, the reference's rounding).
-    fill_hidden=False leaves the blocks past each token's position as the memory held them (for top-k, which
-    reads a row's visible blocks only): no write of the whole tensor (1 GiB per 64K tokens of a 128K context)."""
+    queries are rounded to e4m3 here, per token and index head (quantize_rows, the reference's rounding)."""
     size = (batch.num_tokens, shape.num_index_heads, batch.block_table.shape[1])
-    if fill_hidden:
-        out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
-    else:
-        out = torch.empty(size, dtype=torch.float32, device=index_q.device)
-    tiles = batch.request_tiles(PREFILL_TILE_TOKENS)
-    fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
-    if fp8:
-        operands = (*quantize_rows(index_q), index_key_cache.values, index_key_cache.scales)
-    else:
-        operands = (index_q.contiguous(), None, index_key_cache, None)
-    _kernel(shape, fp8)(*operands, batch.block_table, batch.positions, tiles, out)
-    return out
+    out = torch.full(size, float("-inf"), dtype=torch.float32, device=index_q.device)
+    return _launch(batch, shape, out)(index_q, index_key_cache)
+
+
+def bind_block_scores(
+    batch: PagedBatch, shape: MSAShape, workspace: Workspace | None = None
+) -> Callable[[torch.Tensor, torch.Tensor | Fp8IndexKeyCache], torch.Tensor]:
+    """prefill_index_block_scores for top-k, bound to a batch (what a step's layers share worked out once):
+    (index_q, index_key_cache) -> the block scores in the workspace's (runtime.block_scores_out), with the blocks
+    past each token's position left as the memory held them (top-k reads a row's visible blocks only): no write of
+    the whole tensor (1 GiB per 64K tokens of a 128K context)."""
+    return _launch(batch, shape, block_scores_out(batch, shape.num_index_heads, workspace))
+
+
+def _launch(
+    batch: PagedBatch, shape: MSAShape, out: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor | Fp8IndexKeyCache], torch.Tensor]:
+    batch_inputs = (batch.block_table, batch.positions, batch.request_tiles(PREFILL_TILE_TOKENS), out)
+    kernels: dict[bool, tvm_ffi.Function] = {}  # by FP8 keys, each compiled or loaded at its first call
+
+    def launch(index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache) -> torch.Tensor:
+        fp8 = isinstance(index_key_cache, Fp8IndexKeyCache)
+        if fp8:
+            operands = (*quantize_rows(index_q), index_key_cache.values, index_key_cache.scales)
+        else:
+            operands = (index_q.contiguous(), None, index_key_cache, None)
+        kernel = kernels.get(fp8) or kernels.setdefault(fp8, _kernel(shape, fp8))
+        kernel(*operands, *batch_inputs)
+        return out
+
+    return launch
 
 
 @functools.cache

@@ -27,6 +27,7 @@ FP8 K/V cache).
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, NamedTuple
@@ -37,7 +38,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.nvgpu import cpasync, warp
 
-from msa_kernels.cute.combine import combine_splits
+from msa_kernels.cute.combine import bind_combine
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.pdl import wait_for_previous_kernel
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into, num_sms
@@ -440,13 +441,9 @@ def num_splits(num_tokens: int, params: SparseAttentionParams, tiles: int, resid
     return best[1], best[2]
 
 
-def attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, batch: PagedBatch, selected: torch.Tensor) -> tuple:
-    """(q, kv_cache, block_table, seq_lens, positions, selected) as this kernel and sparse_attn_prefill.py's take
-    them (q and selected contiguous; the batch's index tensors are int32, selected must be; an FP8 K/V cache's
-    bytes as e4m3)."""
-    if is_fp8_kv(kv_cache):
-        kv_cache = kv_cache.view(torch.float8_e4m3fn)
-    return (q.contiguous(), kv_cache, batch.block_table, batch.seq_lens, batch.positions, selected.contiguous())
+def kv_operand(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The K/V cache as this kernel and sparse_attn_prefill.py's take it: an FP8 cache's bytes as e4m3."""
+    return kv_cache.view(torch.float8_e4m3fn) if is_fp8_kv(kv_cache) else kv_cache
 
 
 def sparse_attention(
@@ -470,23 +467,56 @@ def sparse_attention(
     tile), chosen by num_splits unless given (benchmarks sweep it; at most slots x tiles_per_block). workspace:
     where the split partials go (the step part's, reused by its next layer), else new tensors.
     """
-    result = contiguous_out(out, q.shape, q.dtype, q.device)
+    attend = bind_attention(batch, shape, selected.shape[-1], is_fp8_kv(kv_cache), workspace, splits)
+    return attend(q, kv_cache, selected, scale, out, kv_scales)
+
+
+def bind_attention(
+    batch: PagedBatch,
+    shape: MSAShape,
+    topk: int,
+    fp8_kv: bool,
+    workspace: Workspace | None = None,
+    splits: int | None = None,
+) -> Callable[..., torch.Tensor]:
+    """sparse_attention bound to a batch, its selections' width (topk) and K/V cache kind (what a step's layers
+    share worked out once): (q, kv_cache, selected, scale, out, kv_scales) -> the output (out where given)."""
     num_tokens, hq, d = batch.num_tokens, shape.num_q_heads, shape.head_dim
-    q, kv_cache, block_table, seq_lens, positions, selected = attention_inputs(q, kv_cache, batch, selected)
-    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
-    plan = _launch_plan(shape, num_tokens, selected.shape[-1], splits, fp8_kv, result.device.index or 0)
-    token_inputs = (q, kv_cache, block_table, seq_lens, batch.token_requests, positions, selected)
-    scales = (scale * kv_scales[0], kv_scales[1])  # k_scale folds into the softmax scale
+    device = batch.block_table.device
+    plan = _launch_plan(shape, num_tokens, topk, splits, fp8_kv, device.index or 0)
+    batch_inputs = (batch.block_table, batch.seq_lens, batch.token_requests, batch.positions)
     if workspace is None:
-        workspace = Workspace(result.device)
+        workspace = Workspace(device)
     lse = workspace.split_log_sum_exps((plan.splits, num_tokens, hq))
-    if plan.splits == 1:
-        plan.kernel(*token_inputs, result.view(1, num_tokens, hq, d), lse, *scales, plan.tiles_per_split)
-    else:
-        partial = workspace.split_outputs((plan.splits, num_tokens, hq, d))
-        plan.kernel(*token_inputs, partial, lse, *scales, plan.tiles_per_split)
-        combine_splits(partial, lse, result)
-    return copy_into(result, out)
+    partial = workspace.split_outputs((plan.splits, num_tokens, hq, d)) if plan.splits > 1 else None
+    combine = bind_combine(partial, lse) if partial is not None else None
+
+    def attend(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        selected: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None,
+        kv_scales: tuple[float, float],
+    ) -> torch.Tensor:
+        result = contiguous_out(out, q.shape, q.dtype, q.device)
+        kernel_out = result.view(1, num_tokens, hq, d) if partial is None else partial
+        plan.kernel(
+            q.contiguous(),
+            kv_operand(kv_cache),
+            *batch_inputs,
+            selected.contiguous(),
+            kernel_out,
+            lse,
+            scale * kv_scales[0],  # k_scale folds into the softmax scale
+            kv_scales[1],
+            plan.tiles_per_split,
+        )
+        if combine is not None:
+            combine(result)
+        return copy_into(result, out)
+
+    return attend
 
 
 class LaunchPlan(NamedTuple):

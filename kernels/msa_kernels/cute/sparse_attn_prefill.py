@@ -26,6 +26,7 @@ P V; the V tile once P V is done. V rows past the request's length are
 zeroed in shared memory, so stale cache slots (NaN in the tests) never reach the MMA.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -36,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from msa_kernels.cute.fake import env_stream, row_major
 from msa_kernels.cute.runtime import compiled_kernel, contiguous_out, copy_into
-from msa_kernels.cute.sparse_attn import attention_inputs
+from msa_kernels.cute.sparse_attn import kv_operand
 from msa_kernels.cute.warp_mma import acc_rows_cols, online_softmax_row, quad_reduce, warpgroup_gemm_nt
 from msa_kernels.cute.warpgroup_attention import (
     LOG2_E,
@@ -437,18 +438,38 @@ def prefill_sparse_attention(
     reference.kv_planes); q and out may be strided views. workspace: where the kernel's handled flags go (the
     step part's, reused by its next layer), else a new tensor.
     """
+    return bind_attention(batch, shape, selected.shape[-1], workspace)(q, kv_cache, selected, scale, out)
+
+
+def bind_attention(
+    batch: PagedBatch, shape: MSAShape, topk: int, workspace: Workspace | None = None
+) -> Callable[..., torch.Tensor]:
+    """prefill_sparse_attention bound to a batch and its selections' width (topk) (what a step's layers share
+    worked out once): (q, kv_cache, selected, scale, out) -> the output (out where given)."""
     heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_index_heads)
-    params = PrefillAttentionParams(*heads, shape.head_dim, selected.shape[-1], shape.block_size)
-    result = contiguous_out(out, q.shape, q.dtype, q.device)
+    params = PrefillAttentionParams(*heads, shape.head_dim, topk, shape.block_size)
+    kernel = compiled_kernel(PrefillAttentionKernel, params)
     if workspace is None:
-        workspace = Workspace(q.device)
+        workspace = Workspace(batch.block_table.device)
     handled = workspace.handled_rows((batch.num_tokens, shape.num_index_heads))
-    compiled_kernel(PrefillAttentionKernel, params)(
-        *attention_inputs(q, kv_cache, batch, selected),
-        batch.request_tiles(params.tokens_per_tile),
-        result,
-        handled,
-        params.candidates,  # no union bound: a tile's union has at most `candidates` blocks
-        scale,
-    )
-    return copy_into(result, out)
+    tiles = batch.request_tiles(params.tokens_per_tile)
+    batch_inputs = (batch.block_table, batch.seq_lens, batch.positions)
+
+    def attend(
+        q: torch.Tensor, kv_cache: torch.Tensor, selected: torch.Tensor, scale: float, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        result = contiguous_out(out, q.shape, q.dtype, q.device)
+        kernel(
+            q.contiguous(),
+            kv_operand(kv_cache),
+            *batch_inputs,
+            selected.contiguous(),
+            tiles,
+            result,
+            handled,
+            params.candidates,  # no union bound: a tile's union has at most `candidates` blocks
+            scale,
+        )
+        return copy_into(result, out)
+
+    return attend

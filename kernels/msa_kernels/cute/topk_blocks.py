@@ -25,6 +25,7 @@ bench/bench_topk.py times the choices.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -340,12 +341,24 @@ def topk_blocks(
     PagedBatch.positions) on Hopper; ties go to the lower block number. out: [T, Hi, K] int32 to write
     (a slice of a step's selection), else a new tensor. threads: threads per row (TopkBlocksParams), else
     row_threads' choice for the phase and the row length."""
-    num_tokens, num_heads, _ = scores.shape
+    num_tokens, num_heads, max_blocks = scores.shape
     result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
     if num_tokens:
-        threads = threads or row_threads(phase, scores.shape[-1])
-        _kernel(shape, threads)(scores.contiguous().view(torch.int32), positions, result)
+        bind_topk(positions, max_blocks, shape, phase, threads)(scores, result)
     return copy_into(result, out)
+
+
+def bind_topk(
+    positions: torch.Tensor, max_blocks: int, shape: MSAShape, phase: Phase = "decode", threads: int | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """topk_blocks bound to a batch's token positions and row length (what a step's layers share worked out
+    once): (scores [T, Hi, max_blocks], out [T, Hi, K] contiguous) -> None."""
+    kernel = _kernel(shape, threads or row_threads(phase, max_blocks))
+
+    def launch(scores: torch.Tensor, out: torch.Tensor) -> None:
+        kernel(scores.contiguous().view(torch.int32), positions, out)
+
+    return launch
 
 
 @functools.cache
