@@ -104,7 +104,7 @@ class Steps(NamedTuple):
     bind_scores(batch, shape, workspace) -> (index_q, index_key_cache) -> the scores as top-k needs them, in the
         workspace's (top-k reads each row's visible blocks only, so an implementation may leave the others as the
         memory held them; top-k consumes them before the next call);
-    bind_topk(positions, max_blocks, shape) -> (scores, out) -> None: into out [T, Hi, K] int32, contiguous;
+    bind_topk(positions, max_blocks, shape) -> (scores, out) -> None: into out [T, Hi, K] int32;
     bind_attention(batch, shape, topk, fp8_kv, workspace) -> (q, kv_cache, selected, scale, out, kv_scales) -> the
         output (out where given), on a contiguous K/V cache of the chooser's kind (bf16 or FP8; one whose head dim is
         strided runs the reference)."""
@@ -180,13 +180,7 @@ class Kernels:
 
         def select(index_q: torch.Tensor, index_key_cache: torch.Tensor | Fp8IndexKeyCache, out: torch.Tensor) -> None:
             for rows, scores, topk in chunks:
-                chunk_out = _rows(out, rows)
-                if chunk_out.is_contiguous():
-                    topk(scores(_rows(index_q, rows), index_key_cache), chunk_out)
-                else:
-                    selected = torch.empty_like(chunk_out, memory_format=torch.contiguous_format)
-                    topk(scores(_rows(index_q, rows), index_key_cache), selected)
-                    chunk_out.copy_(selected)
+                topk(scores(_rows(index_q, rows), index_key_cache), _rows(out, rows))
 
         return select
 

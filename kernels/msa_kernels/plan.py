@@ -68,14 +68,14 @@ class Workspace:
 
     def launch(self, key: Hashable, bind: Callable[..., Launch], *args: Any) -> Launch:
         """What bind(*args) returns (a launch bound to this part), made at the first call with this key."""
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         launch = self._launches.get((key, capturing))
         if launch is None:
             launch = self._launches[(key, capturing)] = bind(*args)
         return launch
 
     def _tensor(self, use: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         view = self._views.get((use, size, capturing))
         if view is None:
             numel = math.prod(size)
@@ -84,6 +84,9 @@ class Workspace:
                 buffer = self._buffers[(use, capturing)] = torch.empty(numel, dtype=dtype, device=self.device)
             view = self._views[(use, size, capturing)] = buffer[:numel].view(size)
         return view
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)

@@ -342,21 +342,23 @@ def topk_blocks(
     (a slice of a step's selection), else a new tensor. threads: threads per row (TopkBlocksParams), else
     row_threads' choice for the phase and the row length."""
     num_tokens, num_heads, max_blocks = scores.shape
-    result = contiguous_out(out, (num_tokens, num_heads, shape.topk_blocks), torch.int32, scores.device)
+    result = out if out is not None else scores.new_empty((num_tokens, num_heads, shape.topk_blocks), dtype=torch.int32)
     if num_tokens:
         bind_topk(positions, max_blocks, shape, phase, threads)(scores, result)
-    return copy_into(result, out)
+    return result
 
 
 def bind_topk(
     positions: torch.Tensor, max_blocks: int, shape: MSAShape, phase: Phase = "decode", threads: int | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """topk_blocks bound to a batch's token positions and row length (what a step's layers share worked out
-    once): (scores [T, Hi, max_blocks], out [T, Hi, K] contiguous) -> None."""
+    once): (scores [T, Hi, max_blocks], out [T, Hi, K] int32) -> None."""
     kernel = _kernel(shape, threads or row_threads(phase, max_blocks))
 
     def launch(scores: torch.Tensor, out: torch.Tensor) -> None:
-        kernel(scores.contiguous().view(torch.int32), positions, out)
+        result = contiguous_out(out, out.shape, torch.int32, out.device)
+        kernel(scores.contiguous().view(torch.int32), positions, result)
+        copy_into(result, out)
 
     return launch
 
