@@ -18,7 +18,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 import cutlass
 
 from msa_kernels.cute import (
-    fp8_index_key_write,
+    index_key_write,
     index_scores,
     index_scores_fp8,
     index_scores_prefill,
@@ -28,7 +28,7 @@ from msa_kernels.cute import (
 )
 from msa_kernels.cute.combine import CombineKernel, CombineParams
 from msa_kernels.cute.fake import row_major
-from msa_kernels.cute.fp8_index_key_write import Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams
+from msa_kernels.cute.index_key_write import IndexKeyWriteKernel, IndexKeyWriteParams
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
@@ -79,19 +79,27 @@ def test_fp8_prefill_index_score_kernel_compiles_for_sm90a(hi, hki, dp, sm90a):
     compiles_and_caches(PrefillIndexScoreKernel, PrefillIndexScoreParams(hi, hki, dp, fp8=True), sm90a)
 
 
-FP8_WRITE_PARAMS = [(1, 128), (2, 64), (4, 32), (1, 256)]  # (Hki, Dp)
+INDEX_KEY_WRITE_PARAMS = [
+    (1, 128, True),
+    (2, 64, True),
+    (4, 32, True),
+    (1, 256, True),
+    (1, 128, False),
+    (2, 64, False),
+    (1, 1024, False),
+]  # (Hki, Dp, fp8); bf16 rows span up to a CTA
 
 
-@pytest.mark.parametrize("hki, dp", FP8_WRITE_PARAMS)
-def test_fp8_index_key_write_kernel_compiles_for_sm90a(hki, dp, sm90a):
-    compiles_and_caches(Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams(hki, dp), sm90a)
+@pytest.mark.parametrize("hki, dp, fp8", INDEX_KEY_WRITE_PARAMS)
+def test_index_key_write_kernel_compiles_for_sm90a(hki, dp, fp8, sm90a):
+    compiles_and_caches(IndexKeyWriteKernel, IndexKeyWriteParams(hki, dp, fp8), sm90a)
 
 
 @pytest.mark.parametrize(
     "kernel_cls, params",
     [
         (Fp8IndexScoreKernel, Fp8IndexScoreParams(4, 1, 128)),
-        (Fp8IndexKeyWriteKernel, Fp8IndexKeyWriteParams(1, 128)),
+        (IndexKeyWriteKernel, IndexKeyWriteParams(1, 128, fp8=True)),
     ],
     ids=["index_scores", "index_key_write"],
 )
@@ -364,14 +372,15 @@ def test_the_decode_variants_take_what_they_are_passed(launches):
     assert lanes == [8, 16] and case.batch.num_tokens > 1
 
 
-def test_fp8_index_key_writes_take_what_they_are_passed(launches):
+def test_index_key_writes_take_what_they_are_passed(launches):
     from msa_kernels import ops
 
     case = launch_case("prefill")
-    fp8 = fp8_pages(case.index_key_cache)
     slots = torch.arange(case.index_q.shape[0], dtype=torch.int32)  # vLLM's slot mapping is int64; the launcher widens
-    ops.write_index_keys(fp8, slots, case.index_q[:, :1], M3_SHAPE)
-    assert launches.kernels() == ["Fp8IndexKeyWriteKernel"]
+    for cache in (case.index_key_cache, fp8_pages(case.index_key_cache)):
+        ops.write_index_keys(cache, slots, case.index_q[:, :1], M3_SHAPE)
+    assert launches.kernels() == ["IndexKeyWriteKernel"] * 2
+    assert [launch.params.fp8 for launch in launches.launches] == [False, True]
 
 
 def test_the_signature_check_refuses_what_a_compiled_kernel_would():
@@ -589,19 +598,22 @@ def random_index_keys(tokens: int, hki: int, dp: int, generator: torch.Generator
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("hki, dp", FP8_WRITE_PARAMS)
-def test_fp8_index_key_write_kernel_stores_the_reference_quantisers_bytes_also_replayed_from_a_cuda_graph(hki, dp):
-    """Every byte of the pages equals the reference's (quantize_rows on the GPU and on the CPU: the same IEEE
-    float32 operations, so no ulp is allowed): values and scales at the slots, padding slots (-1) and rows past
-    len(slot_mapping) skipped, the rest of the pages untouched. Then the same write captured in a CUDA graph,
-    replayed on new keys and slots."""
+@pytest.mark.parametrize("hki, dp, fp8", INDEX_KEY_WRITE_PARAMS)
+def test_index_key_write_kernel_stores_the_references_bytes_also_replayed_from_a_cuda_graph(hki, dp, fp8):
+    """Every byte of the pages equals the reference's (an FP8 cache: quantize_rows on the GPU and on the CPU, the
+    same IEEE float32 operations, so no ulp is allowed): the rows (FP8: values and scales) at the slots, padding
+    slots (-1) and rows past len(slot_mapping) skipped, the rest of the pages untouched. Then the same write
+    captured in a CUDA graph, replayed on new keys and slots."""
     block_size, num_pages, tokens = 128, 6, 40
-    generator = torch.Generator(device="cuda").manual_seed(hki * 1000 + dp)
-    raw = torch.randint(0, 256, (num_pages, page_bytes(block_size, hki, dp) + 16), dtype=torch.uint8, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(hki * 1000 + dp + fp8)
+    row_bytes = page_bytes(block_size, hki, dp) if fp8 else block_size * hki * dp * 2
+    raw = torch.randint(0, 256, (num_pages, row_bytes + 16), dtype=torch.uint8, device="cuda")
     want_raw = raw.clone()
 
     def cache_of(pages):
-        return Fp8IndexKeyCache.from_pages(pages[:, : page_bytes(block_size, hki, dp)], block_size, hki, dp)
+        if fp8:
+            return Fp8IndexKeyCache.from_pages(pages[:, :row_bytes], block_size, hki, dp)
+        return pages[:, :row_bytes].view(torch.bfloat16).view(num_pages, block_size, hki, dp)
 
     def random_slots():
         slots = torch.randperm(num_pages * block_size, device="cuda", generator=generator)[:tokens]
@@ -609,7 +621,7 @@ def test_fp8_index_key_write_kernel_stores_the_reference_quantisers_bytes_also_r
 
     keys = random_index_keys(tokens + 3, hki, dp, generator)  # 3 rows past the slots: not written
     slots = random_slots()
-    fp8_index_key_write.write_index_keys(cache_of(raw), slots, keys)
+    index_key_write.write_index_keys(cache_of(raw), slots, keys)
     reference.write_index_keys(cache_of(want_raw), slots, keys)
     torch.cuda.synchronize()
     assert torch.equal(raw, want_raw)
@@ -619,7 +631,7 @@ def test_fp8_index_key_write_kernel_stores_the_reference_quantisers_bytes_also_r
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fp8_index_key_write.write_index_keys(cache_of(raw), slots, keys)
+        index_key_write.write_index_keys(cache_of(raw), slots, keys)
     keys.copy_(random_index_keys(tokens + 3, hki, dp, generator))
     slots.copy_(random_slots())
     graph.replay()

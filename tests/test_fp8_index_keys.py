@@ -143,7 +143,7 @@ def on_hopper():
 def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_where_unserved_with_one_warning(
     on_hopper, caplog
 ):
-    from msa_kernels.cute import fp8_index_key_write, index_scores_fp8, index_scores_prefill
+    from msa_kernels.cute import index_key_write, index_scores_fp8, index_scores_prefill
     from msa_kernels.cute.index_scores import IndexScoreKernel
     from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel
     from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel
@@ -162,10 +162,10 @@ def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_w
         assert chosen.prefill.index_scores is index_scores_prefill.prefill_index_block_scores
         assert ops.uses_cute_index_scores(probe, shape, "decode", index_key_dtype=fp8)
         assert ops.uses_cute_index_scores(probe, shape, "prefill", index_key_dtype=fp8)
-        assert chosen.write_fp8_index_keys is fp8_index_key_write.write_index_keys
+        assert chosen.index_key_writer is index_key_write.write_index_keys
         assert ops.graph_capturable(probe.device, probe.dtype, shape, index_key_dtype=fp8)
         assert ops.describe(probe.device, probe.dtype, shape, index_key_dtype=fp8) == (
-            "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, FP8 index-key writes: CuTeDSL"
+            "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, index-key writes: CuTeDSL"
         )
         # Dp 512: the decode kernel scores it (32 lanes of 16 e4m3) in both phases, the prefill kernel does not
         # (Dp over 256), nor the write kernel (64 lanes of 8 bf16), so the reference writes (a host sync) and a
@@ -185,11 +185,17 @@ def test_fp8_index_keys_on_hopper_run_cutedsl_in_both_phases_and_the_reference_w
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "index scores run the PyTorch path" in warnings[0], warnings
     assert ops.uses_cute_index_scores(probe, wide, "decode", index_key_dtype=fp8)
-    assert ops.kernels(probe.device, probe.dtype, fp8, False, wide).write_fp8_index_keys is reference.write_index_keys
+    assert ops.kernels(probe.device, probe.dtype, fp8, False, wide).index_key_writer is reference.write_index_keys
     assert not ops.graph_capturable(probe.device, probe.dtype, wide, index_key_dtype=fp8)
-    assert ops.describe(probe.device, probe.dtype, wide, index_key_dtype=fp8).endswith("FP8 index-key writes: PyTorch")
-    # bf16 index keys: both phases' kernels, vLLM's cache op writes, no FP8 write named
-    assert ops.describe(probe.device, probe.dtype, shape).startswith("index scores: CuTeDSL, top-k")
+    assert ops.describe(probe.device, probe.dtype, wide, index_key_dtype=fp8).endswith("index-key writes: PyTorch")
+    # bf16 index keys: both phases' kernels and the write kernel, whose bf16 rows may span a CTA (Dp 512 too)
+    for bf16_shape in (shape, wide):
+        assert ops.kernels(probe.device, probe.dtype, probe.dtype, False, bf16_shape).index_key_writer is (
+            index_key_write.write_index_keys
+        )
+    assert ops.describe(probe.device, probe.dtype, shape) == (
+        "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, index-key writes: CuTeDSL"
+    )
     assert ops.graph_capturable(probe.device, probe.dtype, shape)
 
 

@@ -15,8 +15,8 @@ as vLLM's own MiniMax-M3 runs its dense layers beside its sparse backend), and F
 for a plain layer routed to FLASH_MSA (a model without MSA layers), refuses it by name.
 
 CUDA graphs: where the CuTeDSL kernels serve every FLASH_MSA layer, a step is free of host syncs
-and data-dependent shapes (cache writes through vLLM's reshape_and_cache_flash, FP8 index keys through
-the CuTeDSL write kernel, device-side token positions, fixed-size selections), so the builder offers
+and data-dependent shapes (K/V writes through vLLM's reshape_and_cache_flash, index keys through the
+CuTeDSL write kernel, device-side token positions, fixed-size selections), so the builder offers
 full graphs for uniform decode batches (vLLM's UNIFORM_BATCH: one new token per request, or under
 speculative decoding the same 1 + num_speculative_tokens per request); other batches run the layers
 eagerly between piecewise graphs.
@@ -235,12 +235,7 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
         index-key cache's; an FP8 K/V cache with the layer's K/V scales, index keys quantised for an FP8 cache)."""
         kv_cache = reference.kv_planes(kv_cache)
         write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
-        if isinstance(index_key_cache, Fp8IndexKeyCache) or not index_key_cache.is_cuda:
-            self.kernels.write_index_keys(index_key_cache, index_slots, index_key)
-            return
-        # A bf16 cache on CUDA as write_paged does, passed as both caches: the same rows written twice.
-        index_key = index_key.to(index_key_cache.dtype)
-        compat.write_paged_cuda(index_key_cache, index_key_cache, index_slots, index_key, index_key)
+        self.kernels.write_index_keys(index_key_cache, index_slots, index_key)
 
     def select(
         self,

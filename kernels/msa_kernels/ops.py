@@ -19,14 +19,15 @@ accepts its dtype and shape, else the next kernel of the list, else the PyTorch 
     sparse attention  sparse_attn.py (split-K) +           sparse_attn_prefill.py (bf16 K/V), else
                       combine.py                           sparse_attn.py (an FP8 K/V cache)
                       (a K/V cache whose head dim is strided: the reference)
-    FP8 index keys    fp8_index_key_write.py: the step's index keys quantised on the device
+    index-key write   index_key_write.py: the step's index keys into bf16 pages, or quantised into FP8 pages
 
 A mixed step runs as its two parts, into slices of one output. A step of one phase runs as it is. A decode part
 never syncs the host and has no data-dependent shapes: a full-graph decode step (single-token or a uniform
 verification batch) can be captured.
 
-An FP8 index-key cache (msa_kernels.fp8_index_keys) is written by write_index_keys (on Hopper the CuTeDSL kernel,
-which quantises on the device without a host sync; elsewhere the reference) and scored, in a decode part, by
+The index-key cache is written by write_index_keys, once per step and layer (on Hopper the CuTeDSL kernel, without
+a host sync; elsewhere the reference). An FP8 index-key cache (msa_kernels.fp8_index_keys), whose keys that kernel
+quantises on the device, is scored, in a decode part, by
 index_scores_fp8.py reading the FP8 pages, in a prefill part by index_scores_prefill.py's FP8 variant (e4m3
 warpgroup MMAs; where it does not serve the shape, the decode kernel; where neither does, the reference, and a
 one-time warning says so). All compute the reference's function (the index queries rounded to e4m3 per token and
@@ -124,7 +125,7 @@ class Kernels:
 
     decode: Steps
     prefill: Steps
-    write_fp8_index_keys: Callable
+    index_key_writer: Callable
     shape: MSAShape
 
     def steps(self, phase: Phase) -> Steps:
@@ -134,12 +135,9 @@ class Kernels:
         self, index_key_cache: torch.Tensor | Fp8IndexKeyCache, slot_mapping: torch.Tensor, index_keys: torch.Tensor
     ) -> None:
         """Store per-token index keys [>= T, Hki, Dp] at the flat slots slot_mapping [T] (< 0: skipped), as
-        reference.write_index_keys does: an FP8 cache through write_fp8_index_keys (on Hopper the CuTeDSL kernel,
-        quantised on the device, no host sync), anything else through the reference."""
-        if isinstance(index_key_cache, Fp8IndexKeyCache):
-            self.write_fp8_index_keys(index_key_cache, slot_mapping, index_keys)
-        else:
-            reference.write_index_keys(index_key_cache, slot_mapping, index_keys)
+        reference.write_index_keys does, once (on Hopper the CuTeDSL kernel: no host sync, an FP8 cache's keys
+        quantised on the device)."""
+        self.index_key_writer(index_key_cache, slot_mapping, index_keys)
 
     def select_blocks(
         self,
@@ -224,7 +222,7 @@ def kernels(
     return Kernels(
         _steps(device, dtype, index_key_dtype, fp8_kv, shape, "decode"),
         _steps(device, dtype, index_key_dtype, fp8_kv, shape, "prefill"),
-        _fp8_index_key_writer(device, dtype, shape),
+        _index_key_writer(device, dtype, index_key_dtype, shape),
         shape,
     )
 
@@ -306,14 +304,18 @@ def _warn_fp8_index_keys_run_the_reference() -> None:
     )
 
 
-def _fp8_index_key_writer(device: torch.device, dtype: torch.dtype, shape: MSAShape) -> Callable:
-    """What writes index keys of this dtype into an FP8 index-key cache on this device: the CuTeDSL kernel on
-    Hopper where it serves the shape, else the reference (which syncs the host)."""
-    if _on_hopper(device):
-        from msa_kernels.cute import fp8_index_key_write
+def _index_key_writer(
+    device: torch.device, dtype: torch.dtype, index_key_dtype: torch.dtype, shape: MSAShape
+) -> Callable:
+    """What writes index keys of this dtype into an index-key cache of index_key_dtype (its own dtype, or an FP8
+    cache) on this device: the CuTeDSL kernel on Hopper where it serves the shape, else the reference (which syncs
+    the host)."""
+    if _on_hopper(device) and index_key_dtype in (dtype, Fp8IndexKeyCache.dtype):
+        from msa_kernels.cute import index_key_write
 
-        if fp8_index_key_write.Fp8IndexKeyWriteKernel.can_implement(dtype, shape.index_head_dim):
-            return fp8_index_key_write.write_index_keys
+        fp8 = index_key_dtype == Fp8IndexKeyCache.dtype
+        if index_key_write.IndexKeyWriteKernel.can_implement(dtype, shape.index_head_dim, fp8):
+            return index_key_write.write_index_keys
     return reference.write_index_keys
 
 
@@ -349,7 +351,7 @@ def describe(
 ) -> str:
     """Which implementation runs each step, for startup logs (a prefill part runs CuTeDSL wherever a
     decode part does, except FP8 index scores, which the phases name apart); index_key_dtype as for
-    uses_cute_index_scores. With FP8 index keys it also names what writes them."""
+    uses_cute_index_scores. It also names what writes the index keys."""
     device, index_key_dtype = torch.device(device), index_key_dtype or dtype
     chosen = kernels(device, dtype, index_key_dtype, False, shape)
     index = _implementation(chosen.decode.index_scores is not reference.index_block_scores)
@@ -359,10 +361,8 @@ def describe(
     topk = _implementation(chosen.decode.bind_topk is not _bind_reference_topk)
     attention = _implementation(chosen.decode.bind_attention is not _bind_reference_attention)
     described = f"index scores: {index}, top-k: {topk}, sparse attention: {attention}"
-    if index_key_dtype == Fp8IndexKeyCache.dtype:
-        writes = _implementation(chosen.write_fp8_index_keys is not reference.write_index_keys)
-        described += f", FP8 index-key writes: {writes}"
-    return described
+    writes = _implementation(chosen.index_key_writer is not reference.write_index_keys)
+    return f"{described}, index-key writes: {writes}"
 
 
 def _implementation(cute: bool) -> str:
@@ -377,13 +377,13 @@ def graph_capturable(
 ) -> bool:
     """Whether a decode step of this layer can be recorded in a CUDA graph: the CuTeDSL kernels (and
     the reference top-k, torch ops) run without host syncs; the reference index scores and attention
-    loop over requests on the host, and the reference's FP8 index-key write indexes by a boolean mask
-    (vLLM's cache op writes bf16 index keys). index_key_dtype as for uses_cute_index_scores."""
+    loop over requests on the host, and the reference's index-key write indexes by a boolean mask.
+    index_key_dtype as for uses_cute_index_scores."""
     device, index_key_dtype = torch.device(device), index_key_dtype or dtype
     chosen = kernels(device, dtype, index_key_dtype, False, shape)
     if chosen.decode.bind_attention is _bind_reference_attention:
         return False
-    writes = index_key_dtype != Fp8IndexKeyCache.dtype or chosen.write_fp8_index_keys is not reference.write_index_keys
+    writes = chosen.index_key_writer is not reference.write_index_keys
     return writes and chosen.decode.index_scores is not reference.index_block_scores
 
 

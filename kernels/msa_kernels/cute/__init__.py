@@ -21,8 +21,8 @@ prefill phase
 both phases
   topk_blocks.py           TopkBlocksKernel, topk_blocks: top-k blocks from the scores (radix select,
                            a CTA per decode row, a warp per prefill row)
-  fp8_index_key_write.py   Fp8IndexKeyWriteKernel, write_index_keys: the step's index keys quantised
-                           into FP8 index-key pages on the device (no host sync)
+  index_key_write.py       IndexKeyWriteKernel, write_index_keys: the step's index keys into bf16
+                           index-key pages, or quantised into FP8 ones, on the device (no host sync)
 shared
   runtime.py               compiled_kernel(kernel class, params): compiled once per process for TVM-FFI
                            calls with torch tensors on torch's current stream, exported object files on
