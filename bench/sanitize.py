@@ -14,7 +14,9 @@ per-token kernel (the prefill attention kernel does not serve 2 query heads an i
 then attends over an FP8 K/V cache of the same values (the per-token kernel reading e4m3 pages, decode and
 prefill tokens alike), and its index keys are scored from an FP8 index-key cache (the decode part on
 index_scores_fp8.py, the prefill part on the prefill kernel's e4m3 variant). A single decode token's index scores
-run the decode kernel's 16-elements-a-lane variant (index_scores.lane_elems_for).
+run the decode kernel's 16-elements-a-lane variant (index_scores.lane_elems_for). Last, a step's index keys are
+written into the bf16 and the FP8 index-key cache (index_key_write.py) at random slots, padding among them, and
+every byte compared with the reference's write.
 """
 
 import torch
@@ -74,6 +76,25 @@ def main() -> None:
         error = ((got[finite] - want[finite]).abs().max() / want[finite].abs().max()).item()
         print(f"{name}, FP8 index keys: largest score error {error:.1e} of the largest score")
         assert torch.equal(torch.isfinite(got), finite) and error <= 1e-2
+        _check_index_key_writes(name, case.index_key_cache, shape, case.index_q.shape[0])
+
+
+def _check_index_key_writes(name: str, index_key_cache: torch.Tensor, shape: MSAShape, tokens: int) -> None:
+    keys = torch.randn(tokens, shape.num_index_key_heads, shape.index_head_dim, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(index_key_cache.shape[0] * shape.block_size, device="cuda")[:tokens]
+    slots[::3] = -1  # padding: skipped
+    for kind in ("bf16", "FP8"):
+        got, want = (
+            (index_key_cache.clone(), index_key_cache.clone())
+            if kind == "bf16"
+            else (Fp8IndexKeyCache.quantize(index_key_cache), Fp8IndexKeyCache.quantize(index_key_cache))
+        )
+        ops.write_index_keys(got, slots, keys, shape)
+        reference.write_index_keys(want, slots, keys)
+        planes = (lambda c: [c]) if kind == "bf16" else (lambda c: [c.values, c.scales])
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(planes(got), planes(want)))
+        print(f"{name}, {kind} index-key write: bytes equal: {same}")
+        assert same
 
 
 if __name__ == "__main__":

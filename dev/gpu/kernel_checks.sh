@@ -5,7 +5,7 @@
 # report and plots) come back as $OUT/kernel_checks.tgz (a device call brings back few files: one archive),
 # packed again after each check, so a call cut off at its limit still brings back the checks that finished.
 #   bash dev/gpu/kernel_checks.sh [tests] [writes] [memcheck] [racecheck] [topk] [sparse] [index] [prefill]
-#     [prefill_1m] [prefill_attention] [peers] [long] [host] [profile_prefill]
+#     [prefill_1m] [prefill_attention] [peers] [long] [host] [index_write] [profile_prefill]
 # (none named: tests, then writes+memcheck: up to 680 s, more than one device call: run it under dev/gpu/background.sh).
 # The kernel tests run alone: beside the sanitizers they ran past their limit (H100, 2026-12-05).
 # Checks joined by '+' run at the same time (tests+writes+memcheck: correctness only, never benchmarks, whose
@@ -54,6 +54,7 @@ check() {  # NAME: run one named check
     long) run bench_long_decode 240 python3 -m bench.bench_vs_vllm_m3 --contexts 131072 262144 524288 \
       1048576 --decode-batches 1 --prefill-contexts --out "$out/long_decode" ;;
     host) run bench_host_overhead 120 python3 -m bench.bench_host_overhead ;;
+    index_write) run bench_index_key_write 120 python3 -m bench.bench_index_key_write ;;
     # Nsight Compute on the prefill index-score kernel at 32K: bench_prefill_index.py times the bf16 kernel with
     # 6 launches, then the FP8 one: --launch-skip 5 profiles the last bf16 launch and the first FP8 one.
     profile_prefill) run ncu_prefill_index 300 ncu --kernel-name regex:PrefillIndexScore --launch-skip 5 \
@@ -61,7 +62,7 @@ check() {  # NAME: run one named check
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section InstructionStats python3 -m bench.bench_prefill_index --contexts 32768 ;;
     *) echo "unknown check '$1' (tests writes memcheck racecheck topk sparse index prefill prefill_1m prefill_attention peers" \
-      "long host profile_prefill)" >&2; return 2 ;;
+      "long host index_write profile_prefill)" >&2; return 2 ;;
   esac
 }
 
