@@ -780,7 +780,7 @@ def test_ops_dispatch_runs_the_cute_index_kernel_and_matches_the_reference():
         assert ops.uses_cute_index_scores(case.index_q, shape, phase)
         assert ops.uses_cute_sparse_attention(case.q, shape, phase)
     assert ops.describe(case.q.device, case.q.dtype, shape) == (
-        "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL"
+        "index scores: CuTeDSL, top-k: CuTeDSL, sparse attention: CuTeDSL, index-key writes: CuTeDSL"
     )
     check = case.layer_against_reference()
     assert check.selection_equal and check.cosine >= 0.99 and check.rel_err <= 1e-2, check[:3]
@@ -796,8 +796,8 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     request brings query_len tokens: one, or under speculative decoding 1 + 3 drafted tokens, which
     vLLM's builder counts as decodes too (uniform verification batches replay full graphs).
 
-    fp8: FP8 index-key pages, and the graph also writes the step's index keys (ops.write_index_keys, as
-    the backend does; padding slots -1) into slots poisoned before the replay."""
+    The graph also writes the step's index keys (ops.write_index_keys, as the backend does; padding slots -1) into
+    slots poisoned before the replay; fp8: FP8 index-key pages."""
     from msa_kernels import ops
     from msa_kernels.plan import StepPlan
     from msa_kernels.shapes import PagedBatch
@@ -824,8 +824,7 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
         # fresh: computed in the graph; the host's view of query_start_loc, as vLLM's builder gives it
         batch = PagedBatch(query_start_loc=qsl, seq_lens=lens, block_table=table, query_start_loc_cpu=starts)
         plan = StepPlan.of(batch, max_decode_query_len=query_len)  # every request a decode, as the builder plans it
-        if fp8:
-            ops.write_index_keys(index_key_cache, slot_mapping, step_keys, shape)
+        ops.write_index_keys(index_key_cache, slot_mapping, step_keys, shape)
         return ops.msa_attention(q, index_q, case.kv_cache, index_key_cache, plan, shape, case.scale, out=out)[1]
 
     layer()  # compile the kernels outside the capture
@@ -839,20 +838,21 @@ def test_msa_layer_replayed_from_a_cuda_graph_on_a_padded_batch_matches_the_refe
     table[:n] = case.batch.block_table
     q[:tokens], index_q[:tokens] = case.q, case.index_q
     out.fill_(float("nan"))
-    if fp8:  # the query tokens' own index keys, written by the replay into poisoned slots
-        positions = case.batch.positions.long()
-        pages = case.batch.block_table[case.batch.token_requests.long(), positions // shape.block_size].long()
-        in_page = positions % shape.block_size
-        slot_mapping[:tokens] = pages * shape.block_size + in_page
-        step_keys[:tokens] = case.index_key_cache[pages, in_page]
-        want_values, want_scales = index_key_cache.values.clone(), index_key_cache.scales.clone()
-        index_key_cache.values.view(torch.uint8)[pages, in_page] = 0x7F  # e4m3 NaN
-        index_key_cache.scales[pages, in_page] = float("nan")
+    # the query tokens' own index keys, written by the replay into poisoned slots
+    positions = case.batch.positions.long()
+    pages = case.batch.block_table[case.batch.token_requests.long(), positions // shape.block_size].long()
+    in_page = positions % shape.block_size
+    slot_mapping[:tokens] = pages * shape.block_size + in_page
+    step_keys[:tokens] = case.index_key_cache[pages, in_page]
+    planes = [index_key_cache.values.view(torch.uint8), index_key_cache.scales] if fp8 else [index_key_cache]
+    want_planes = [plane.clone() for plane in planes]
+    for plane in planes:
+        plane[pages, in_page] = 0x7F if plane.dtype == torch.uint8 else float("nan")  # 0x7F: e4m3 NaN
     graph.replay()
     torch.cuda.synchronize()
+    for plane, want_plane in zip(planes, want_planes):
+        assert torch.equal(plane.view(torch.uint8), want_plane.view(torch.uint8))
     if fp8:
-        assert torch.equal(index_key_cache.values.view(torch.uint8), want_values.view(torch.uint8))
-        assert torch.equal(index_key_cache.scales.view(torch.int32), want_scales.view(torch.int32))
         # The graph's selection is the eager kernels' (deterministic), which is the reference's up to near-ties.
         got_scores = index_scores_fp8.fp8_index_block_scores(case.index_q, index_key_cache, case.batch, shape)
         reference_scores = reference.index_block_scores(case.index_q, index_key_cache, case.batch, shape)
