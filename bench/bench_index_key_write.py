@@ -25,15 +25,13 @@ CONTEXT = 1 << 20
 
 
 def vllm_double_write():
-    """vLLM's reshape_and_cache_flash as FLASH_MSA called it for bf16 index keys, or None where vLLM is missing."""
+    """vLLM's reshape_and_cache_flash as FLASH_MSA called it for bf16 index keys (compat.write_paged_cuda with the
+    cache as K and V), or None where vLLM is missing."""
     try:
-        from vllm import _custom_ops as vllm_ops
+        from vllm_msa import compat
     except ImportError:
         return None
-    unit = torch.ones(1, dtype=torch.float32, device="cuda")
-    return lambda cache, slots, keys: vllm_ops.reshape_and_cache_flash(
-        keys, keys, cache, cache, slots, "auto", unit, unit
-    )
+    return lambda cache, slots, keys: compat.write_paged_cuda(cache, cache, slots, keys, keys)
 
 
 def main() -> None:
