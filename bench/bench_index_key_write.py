@@ -8,10 +8,13 @@ a step does, timed in CUDA graphs (host overhead removed, as vLLM replays decode
 quantised into an FP8 cache (Fp8IndexKeyCache), and vLLM's reshape_and_cache_flash with the bf16 cache passed as
 both K and V (what FLASH_MSA ran before: every row written twice). Each side's pages are checked against the
 reference's before timing. "of copy" is the bytes a side must move (the keys read, the rows and scales written,
-once) over its time, as a fraction of this GPU's measured copy bandwidth (read + write).
+once) over its time, as a fraction of this GPU's measured copy bandwidth (read + write). The timed calls rotate
+over ROTATION sets of keys and slots (one graph's calls each read and write their own), so a prefill chunk's keys
+are read from DRAM, not from L2 (one set of 32768 tokens is 8 MB; the H100's and H200's L2 50 MB).
 """
 
 import argparse
+import itertools
 
 import torch
 
@@ -22,6 +25,7 @@ from msa_kernels.cute import index_key_write
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 
 CONTEXT = 1 << 20
+ROTATION = 10  # sets of keys and slots the timed calls cycle over: graph_timed's calls per graph
 
 
 def vllm_double_write():
@@ -32,6 +36,12 @@ def vllm_double_write():
     except ImportError:
         return None
     return lambda cache, slots, keys: compat.write_paged_cuda(cache, cache, slots, keys, keys)
+
+
+def rotated_graph_timed(write, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """graph_timed of write(keys, slots), each captured call on the next of `inputs`."""
+    rotation = itertools.cycle(inputs)
+    return graph_timed(lambda: write(*next(rotation)), iters=len(inputs))
 
 
 def main() -> None:
@@ -49,8 +59,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     generator = torch.Generator(device="cuda").manual_seed(0)
     for tokens in args.tokens:
-        keys = torch.randn(tokens, hki, dp, device="cuda", generator=generator).to(torch.bfloat16)
-        slots = torch.randperm(pages * block, device="cuda", generator=generator)[:tokens]
+        inputs = [
+            (
+                torch.randn(tokens, hki, dp, device="cuda", generator=generator).to(torch.bfloat16),
+                torch.randperm(pages * block, device="cuda", generator=generator)[:tokens],
+            )
+            for _ in range(ROTATION)
+        ]
+        keys, slots = inputs[0]  # the pages checked against the reference's
         bf16 = torch.zeros(pages, block, hki, dp, dtype=torch.bfloat16, device="cuda")
         fp8 = Fp8IndexKeyCache.quantize(torch.zeros(pages, block, hki, dp, dtype=torch.bfloat16, device="cuda"))
         want = bf16.clone()
@@ -63,13 +79,17 @@ def main() -> None:
             write(cache, slots, keys)
             if not torch.equal(cache, want):
                 raise AssertionError(f"{tokens} tokens: {name}'s pages differ from the reference's")
-            times[name] = graph_timed(lambda write=write, cache=cache: write(cache, slots, keys))
+            times[name] = rotated_graph_timed(
+                lambda keys, slots, write=write, cache=cache: write(cache, slots, keys), inputs
+            )
         want_fp8 = Fp8IndexKeyCache.quantize(torch.zeros_like(bf16))
         reference.write_index_keys(want_fp8, slots, keys)
         index_key_write.write_index_keys(fp8, slots, keys)
         if not (torch.equal(fp8.values, want_fp8.values) and torch.equal(fp8.scales, want_fp8.scales)):
             raise AssertionError(f"{tokens} tokens: the FP8 pages differ from the reference's")
-        times["fp8"] = graph_timed(lambda: index_key_write.write_index_keys(fp8, slots, keys))
+        times["fp8"] = rotated_graph_timed(
+            lambda keys, slots: index_key_write.write_index_keys(fp8, slots, keys), inputs
+        )
         rows, slot_bytes = tokens * hki, slots.element_size() * tokens
         moved = {"bf16": rows * dp * 2 * 2 + slot_bytes, "fp8": rows * (dp * 2 + dp + 4) + slot_bytes}
         vllm_cells = ["-", "-"]
