@@ -23,7 +23,8 @@ and the other servers are still measured.
 
 --out gets summary.md (TTFT, TPOT, median and p99 ITL and output throughput per input length, concurrency
 and configuration, with the first configuration's TTFT, TPOT and ITL divided by each one's; with
-speculative decoding also its acceptance rate and length), one SVG bar chart per input length and
+speculative decoding also its acceptance rate and length; rewritten after each server, or each group started
+together, so a run stopped early keeps the rows it measured), one SVG bar chart per input length and
 concurrency (e2e-LEN-cN.svg), the raw `vllm bench` JSON (with each request's TTFT and inter-token latencies,
 --save-detailed: where the median ITL hides which steps were slow), and the server and bench logs.
 
@@ -646,6 +647,15 @@ def server_configs(opts: argparse.Namespace) -> dict[str, list[str]]:
     return with_twins
 
 
+def summary(servers: list[Server], opts: argparse.Namespace) -> str:
+    """The table of these servers' loads (and their greedy tokens' agreement), written to OUT/summary.md."""
+    report = table(servers, opts.loads)
+    if opts.greedy_tokens and len(servers) > 1:
+        report += "\n\n" + agreement(servers, opts.input_lens)
+    (opts.out / "summary.md").write_text(report + "\n")
+    return report
+
+
 def main(argv=None):
     opts, common = parse_args(sys.argv[1:] if argv is None else argv)
     configs = server_configs(opts)
@@ -658,12 +668,12 @@ def main(argv=None):
         Server(name, args, opts.port + (i if opts.parallel_start else 0), opts.out / f"server-{name}.log")
         for i, (name, args) in enumerate(configs.items())
     ]
+    finished: list[Server] = []
+    report = ""
     for group in [servers] if opts.parallel_start else [[s] for s in servers]:
         run_together(group, common, opts)
-    report = table(servers, opts.loads)
-    if opts.greedy_tokens and len(servers) > 1:
-        report += "\n\n" + agreement(servers, opts.input_lens)
-    (opts.out / "summary.md").write_text(report + "\n")
+        finished += group
+        report = summary(finished, opts)  # after each group: a run stopped later keeps what it measured
     print(report)
     for path in plot(servers, opts.loads, opts.out):
         print(f"plot: {path}")

@@ -290,3 +290,27 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
     assert bench_e2e.greedy_prompt(demo_model, 100) == bench_e2e.greedy_prompt(demo_model, 100)
     assert json.loads((out / "greedy-B-200.json").read_text())["tokens"] == [200, 7, 9, 5]
     assert "| 200 | B | 2 of 4 | 1.500 |" in summary and "| 100 | C | no tokens | - |" in summary
+
+
+def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model, tmp_path, monkeypatch):
+    port = free_port()
+    stand_in = tmp_path / "vllm.py"
+    stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
+    monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
+    run_together = bench_e2e.run_together
+    groups = []
+
+    def stopped_at_the_second(group, common, opts):  # as a timeout ends the benchmark during B's start
+        groups.append([s.name for s in group])
+        if len(groups) > 1:
+            raise KeyboardInterrupt
+        run_together(group, common, opts)
+
+    monkeypatch.setattr(bench_e2e, "run_together", stopped_at_the_second)
+    out = tmp_path / "out"
+    argv = [str(demo_model), "--input-lens", "100", "--concurrency", "1", "--port", str(port), "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e.main([*argv, "--config", "A=--attention-backend FLASH_MSA", "--config", "B=--attention-backend X"])
+    assert groups == [["A"], ["B"]]
+    summary = (out / "summary.md").read_text()
+    assert "| 100 | 1 | A | 10.0 | 1.0 | 0.5 | 2.0 | 1000.0 | 1.00 | 1.00 | 1.00 |" in summary
