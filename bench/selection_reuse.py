@@ -10,10 +10,10 @@ selects as the t-th decode step would: its own block forced, every earlier block
   head reuse   per index head, the share of a step's k blocks that the same head selected the step before;
   page reuse   the K/V pages the step reads (a page holds every KV head of its block, so the union of the index
                heads' blocks) found among the pages the step before read;
-  LRU hit rate a per-request GPU hot set of C x (Hi x k) pages (the most a step can read), least recently used
-               out, run by the host tier's own step (msa_kernels.host_tier.resolve): the share of a step's pages
-               already in it, and the pages a step copies in from host memory (misses), mean and p99; a hot set as
-               large as the context (its pages in the first column) always hits;
+  LRU hit rate a device tier of C x (Hi x k) pages (the most a step can read) for the one request, least
+               recently used out, run by the host tier's own step (msa_kernels.host_tier.resolve): the share of a
+               step's pages already in it, and the pages a step copies in from host memory (misses), mean and p99;
+               a device tier as large as the context (its pages in the first column) always hits;
 
 each beside the same numbers for independent random block scores at the same shape (what no trained index head
 would do: the worst case). CPU only, minutes (a resolve per position and capacity).
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from msa_kernels.host_tier import HotSets, resolve, step_blocks
+from msa_kernels.host_tier import PageCache, resolve, step_blocks
 from msa_kernels.shapes import MSAShape
 from training.trained_selections import random_selection
 
@@ -53,17 +53,18 @@ def page_reuse(pages: list[set[int]], start: int) -> float:
 
 
 def lru(blocks: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
-    """(hit rate, mean misses per step, p99 misses per step) of one request's hot set of `capacity` pages under the
-    host tier's own step (msa_kernels.host_tier: step_blocks, resolve), positions as consecutive decode steps,
-    warmed on the positions before `start`; blocks: step_blocks of the positions' selections."""
-    hot_sets = HotSets.empty(1, capacity)
-    host_block_table = torch.arange(int(blocks.max()) + 1, dtype=torch.int32)[None]  # block b on host page b
+    """(hit rate, mean misses per step, p99 misses per step) of a device tier of `capacity` pages for one request
+    under the host tier's own step (msa_kernels.host_tier: step_blocks, resolve), positions as consecutive decode
+    steps, warmed on the positions before `start`; blocks: step_blocks of the positions' selections."""
+    num_host_pages = int(blocks.max()) + 1
+    cache = PageCache.empty(capacity, num_host_pages)
+    host_block_table = torch.arange(num_host_pages, dtype=torch.int32)[None]  # block b on host page b
     hits = requests = 0
     misses = []
     for t in range(blocks.shape[0]):
-        resolution = resolve(hot_sets, blocks[t : t + 1], host_block_table, t)
+        resolution = resolve(cache, blocks[t : t + 1], host_block_table, t)
         if t >= start:
-            hit, missed = int(resolution.hits[0]), int(resolution.misses[0])
+            hit, missed = int(resolution.hits), int(resolution.misses)
             hits += hit
             requests += hit + missed
             misses.append(missed)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("selections", type=Path, help="training/trained_selections.py's output")
     parser.add_argument("--from", dest="start", type=float, default=0.5, help="first position, x context")
-    parser.add_argument("--capacities", type=int, nargs="+", default=[1, 2, 4, 8], help="hot set, x (Hi x k) pages")
+    parser.add_argument("--capacities", type=int, nargs="+", default=[1, 2, 4, 8], help="device tier, x (Hi x k) pages")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--out", type=Path, help="write the table (markdown) here too")
     args = parser.parse_args(argv)

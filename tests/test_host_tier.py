@@ -1,5 +1,6 @@
-"""The K/V host tier's step (msa_kernels.host_tier) on CPU: the sparse attention through a request's hot set reads
-exactly what it reads from the whole cache, and the hot sets keep the blocks a least-recently-used policy keeps."""
+"""The K/V host tier's step (msa_kernels.host_tier) on CPU: the sparse attention through the device tier reads exactly
+what it reads from the whole cache, whichever batch row a request is in, with pages freed and written by the next
+request, and the device tier keeps the pages a least-recently-used policy keeps."""
 
 import random
 
@@ -7,13 +8,14 @@ import pytest
 import torch
 
 from msa_kernels import reference
-from msa_kernels.host_tier import HotSets, copy_pages, resolve, step_blocks
+from msa_kernels.host_tier import PageCache, copy_pages, resolve, step_blocks
 from msa_kernels.shapes import PagedBatch
 from msa_kernels.testing import make_case, small_shape
 
 SHAPE = small_shape(topk_blocks=4, local_blocks=2, init_blocks=1)  # 16-token blocks, Hi 2: a step reads <= 8 blocks
 # Contexts off the block grid, one shorter than K blocks, one of many blocks.
 SEQ_LENS = [37, 201, 64, 530]
+STEP_WIDTH = SHAPE.num_index_heads * SHAPE.topk_blocks  # the most blocks one request's step reads
 
 
 def test_step_blocks_is_each_requests_union_of_its_index_heads_blocks():
@@ -27,73 +29,119 @@ def test_step_blocks_is_each_requests_union_of_its_index_heads_blocks():
 
 
 def decode_steps(num_steps: int, seed: int):
-    """A decode batch (one query token per request at SEQ_LENS; free pages and page tails NaN) and, per step, fresh
-    queries and the reference's selection for them: each step selects other blocks, as consecutive decode steps
-    do."""
+    """A decode batch (one query token per request at SEQ_LENS; free pages and page tails NaN) and, per step, the
+    batch with its requests in a new order of rows (as vLLM reorders them), fresh queries and the reference's
+    selection for them: each step selects other blocks, as consecutive decode steps do."""
     case = make_case(SHAPE, [1] * len(SEQ_LENS), SEQ_LENS, dtype=torch.float64, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for _ in range(num_steps):
+        rows = torch.randperm(len(SEQ_LENS), generator=g)
+        batch = PagedBatch(
+            case.batch.query_start_loc, case.batch.seq_lens[rows], case.batch.block_table[rows], "decode"
+        )
         index_q = torch.randn(case.index_q.shape, generator=g, dtype=torch.float64)
         q = torch.randn(case.q.shape, generator=g, dtype=torch.float64)
-        scores = reference.index_block_scores(index_q, case.index_key_cache, case.batch, SHAPE)
-        yield case, q, reference.topk_blocks(scores, case.batch.positions, SHAPE)
+        scores = reference.index_block_scores(index_q, case.index_key_cache, batch, SHAPE)
+        yield case, batch, q, reference.topk_blocks(scores, batch.positions, SHAPE)
 
 
-@pytest.mark.parametrize("spilled", ["every block", "half the blocks"])
-@pytest.mark.parametrize("capacity", [8, 13, 40])  # the least a step needs (Hi x K), more, the whole context
-def test_attention_through_the_hot_sets_equals_attention_on_the_whole_cache(capacity, spilled):
-    num_requests = len(SEQ_LENS)
-    steps = list(decode_steps(12, seed=capacity))
+def device_tier(host_kv: torch.Tensor, num_pages: int) -> tuple[PageCache, torch.Tensor]:
+    """A PageCache of num_pages device pages, and the device K/V: NaN until a page is copied in."""
+    device_kv = torch.full((num_pages, *host_kv.shape[1:]), float("nan"), dtype=host_kv.dtype)
+    return PageCache.empty(num_pages, host_kv.shape[0]), device_kv
+
+
+def attend_through(cache: PageCache, device_kv, host_kv, batch: PagedBatch, q, selected, step: int, scale: float):
+    """One decode step through the device tier: resolve, copy in, the sparse attention on the device pages."""
+    resolution = resolve(cache, step_blocks(selected), batch.block_table, step)
+    copy_pages(host_kv, device_kv, resolution)
+    device_batch = PagedBatch(batch.query_start_loc, batch.seq_lens, resolution.block_table, "decode")
+    return reference.sparse_attention(q, device_kv, device_batch, selected, SHAPE, scale), resolution
+
+
+def write_rows(kv: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """K/V rows [T, 2, Hkv, D] at flat slots [T] (-1: skipped) of a paged K/V [pages, 2, B, Hkv, D]."""
+    keep = slots >= 0
+    slots = slots[keep]
+    kv[slots // SHAPE.block_size, :, slots % SHAPE.block_size] = rows[keep]
+
+
+@pytest.mark.parametrize("num_pages", [len(SEQ_LENS) * STEP_WIDTH, 45, 64])  # the least, more, every page
+def test_attention_through_the_device_tier_equals_attention_on_the_whole_cache(num_pages):
+    steps = list(decode_steps(12, seed=num_pages))
     case = steps[0][0]
-    host_kv, table = case.kv_cache, case.batch.block_table  # every block's K/V at home in host memory
-    # The device: the pages still resident, the spilled ones NaN, then the hot sets' pages, NaN until copied in.
-    spill = torch.ones(table.shape, dtype=torch.bool)
-    resident_table = None
-    if spilled == "half the blocks":
-        spill = torch.rand(table.shape, generator=torch.Generator().manual_seed(capacity)) < 0.5
-        resident_table = table.masked_fill(spill, -1)
-    device_kv = torch.cat([host_kv, torch.full((num_requests * capacity, *host_kv.shape[1:]), float("nan"))])
-    num_blocks = -(-torch.tensor(SEQ_LENS) // SHAPE.block_size)
-    owned = torch.arange(table.shape[1])[None, :] < num_blocks[:, None]
-    device_kv[table[spill & owned].long()] = float("nan")  # (past a request's blocks its table holds page 0)
-    hot_sets = HotSets.empty(num_requests, capacity, first_page=host_kv.shape[0])
-    seen: list[set[int]] = [set() for _ in SEQ_LENS]
-    for step, (_, q, selected) in enumerate(steps):
+    host_kv = case.kv_cache  # every page's K/V at home in host memory
+    cache, device_kv = device_tier(host_kv, num_pages)
+    seen: set[int] = set()
+    for step, (_, batch, q, selected) in enumerate(steps):
+        held_before = set(cache.held.tolist())
+        through, resolution = attend_through(cache, device_kv, host_kv, batch, q, selected, step, case.scale)
+        whole = reference.sparse_attention(q, host_kv, batch, selected, SHAPE, case.scale)
+        assert torch.equal(through, whole), f"step {step}"
         blocks = step_blocks(selected)
-        before = hot_sets.blocks.clone()
-        resolution = resolve(hot_sets, blocks, table, step, resident_table)
-        copy_pages(host_kv, device_kv, resolution)
-        hot_batch = PagedBatch(case.batch.query_start_loc, case.batch.seq_lens, resolution.block_table, "decode")
-        through_hot = reference.sparse_attention(q, device_kv, hot_batch, selected, SHAPE, case.scale)
-        whole = reference.sparse_attention(q, host_kv, case.batch, selected, SHAPE, case.scale)
-        assert torch.equal(through_hot, whole), f"step {step}"
-        for r, row in enumerate(blocks.tolist()):
-            step_set = {b for b in row if b >= 0}
-            spilled_set = {b for b in step_set if spill[r, b]}
-            held_before = set(before[r].tolist())
-            assert resolution.resident[r] == len(step_set - spilled_set)
-            assert resolution.hits[r] == len(spilled_set & held_before)
-            assert resolution.misses[r] == len(spilled_set - held_before)
-            assert spilled_set <= set(hot_sets.blocks[r].tolist())  # every spilled block the step reads is held
-            held = [b for b in hot_sets.blocks[r].tolist() if b >= 0]
-            assert len(held) == len(set(held)) and not set(held) - {b for b in range(table.shape[1]) if spill[r, b]}
-            if capacity * SHAPE.block_size >= SEQ_LENS[r]:  # the whole context fits: only first reads miss
-                assert resolution.misses[r] == len(spilled_set - seen[r])
-            seen[r] |= spilled_set
+        pages = {int(batch.block_table[r, b]) for r, row in enumerate(blocks.tolist()) for b in row if b >= 0}
+        assert int(resolution.hits) == len(pages & held_before) and int(resolution.misses) == len(pages - held_before)
+        held = [p for p in cache.held.tolist() if p >= 0]
+        assert pages <= set(held) and len(held) == len(set(held))  # every page the step reads, each in one slot
+        assert all(int(cache.slot_of[p]) == s for s, p in enumerate(cache.held.tolist()) if p >= 0)
+        assert int((cache.slot_of >= 0).sum()) == len(held)
+        if num_pages >= host_kv.shape[0]:  # every page fits: only first reads miss, whichever row reads them
+            assert int(resolution.misses) == len(pages - seen)
+        seen |= pages
 
 
-def lru_slots(steps: list[list[int]], capacity: int) -> list[tuple[int, int]]:
-    """(hits, misses) per step of one request's hot set under the policy resolve implements, slot by slot in Python:
-    a miss takes the slot not read this step whose last read is oldest (never read first), the lowest slot on a tie."""
-    blocks, last = [-1] * capacity, [-1] * capacity
+def test_a_page_freed_and_written_by_the_next_request_is_read_as_written():
+    """Request 1 finishes and its pages go to a new request, whose prefill writes them: the writes go to the host
+    pages and, through PageCache.device_slots, to their device copies, so the new request's first decode step
+    (hits on those very pages) reads its own K/V, not the old request's."""
+    (case, batch, q, selected), *_ = decode_steps(1, seed=7)
+    host_kv = case.kv_cache
+    cache, device_kv = device_tier(host_kv, 48)
+    attend_through(cache, device_kv, host_kv, batch, q, selected, 0, case.scale)
+    g = torch.Generator().manual_seed(8)
+    new_len = 190  # in the finished request's 13 pages (it had 201 tokens)
+    pages = case.batch.block_table[1, : -(-new_len // SHAPE.block_size)].long()
+    slots = (pages[:, None] * SHAPE.block_size + torch.arange(SHAPE.block_size)).flatten()[:new_len]
+    rows = torch.randn(new_len, 2, SHAPE.num_kv_heads, SHAPE.head_dim, generator=g, dtype=torch.float64)
+    write_rows(host_kv, slots, rows)
+    device_slots = cache.device_slots(slots, SHAPE.block_size)
+    assert int((device_slots >= 0).sum()) > 0  # some of the new request's pages are held from the step before
+    write_rows(device_kv, device_slots, rows)
+    seq_lens = case.batch.seq_lens.clone()
+    seq_lens[1] = new_len
+    new_batch = PagedBatch(case.batch.query_start_loc, seq_lens, case.batch.block_table, "decode")
+    q = torch.randn(case.q.shape, generator=g, dtype=torch.float64)
+    scores = reference.index_block_scores(case.index_q, case.index_key_cache, new_batch, SHAPE)
+    selected = reference.topk_blocks(scores, new_batch.positions, SHAPE)
+    through, resolution = attend_through(cache, device_kv, host_kv, new_batch, q, selected, 1, case.scale)
+    assert int(resolution.hits) > 0
+    assert torch.equal(through, reference.sparse_attention(q, host_kv, new_batch, selected, SHAPE, case.scale))
+
+
+def test_device_slots_are_the_written_rows_in_the_copies_of_held_pages():
+    cache = PageCache.empty(4, 10, first_page=20)
+    table = torch.tensor([[3, 7, 1]], dtype=torch.int32)
+    resolve(cache, torch.tensor([[0, 2, -1]], dtype=torch.int32), table, 0)  # host pages 3 and 1 held
+    block = 16
+    slots = torch.tensor([3 * block + 5, 7 * block, 1 * block + 15, -1, 1 * block])
+    device_page = {p: int(cache.pages[int(cache.slot_of[p])]) for p in (3, 1)}
+    want = [device_page[3] * block + 5, -1, device_page[1] * block + 15, -1, device_page[1] * block]
+    assert cache.device_slots(slots, block).tolist() == want
+
+
+def lru_counts(steps: list[list[int]], num_pages: int) -> list[tuple[int, int]]:
+    """(hits, misses) per step of a device tier under the policy resolve implements, slot by slot in Python: a
+    missing page (ascending) takes the slot not read this step whose last read is oldest (never read first), the
+    lowest slot on a tie."""
+    held, last = [-1] * num_pages, [-1] * num_pages
     counts = []
     for step, wanted in enumerate(steps):
-        read = {blocks.index(b) for b in wanted if b in blocks}
+        read = {held.index(p) for p in wanted if p in held}
         hits = len(read)
-        free = sorted((s for s in range(capacity) if s not in read), key=lambda s: (last[s], s))
-        for b in (b for b in wanted if b not in blocks):
+        free = sorted((s for s in range(num_pages) if s not in read), key=lambda s: (last[s], s))
+        for p in sorted(p for p in wanted if p not in held):
             slot = free.pop(0)
-            blocks[slot] = b
+            held[slot] = p
             read.add(slot)
         for s in read:
             last[s] = step
@@ -101,21 +149,23 @@ def lru_slots(steps: list[list[int]], capacity: int) -> list[tuple[int, int]]:
     return counts
 
 
-def test_hot_sets_keep_the_least_recently_used_policy():
+def test_the_device_tier_keeps_the_least_recently_used_policy():
     rng = random.Random(3)
-    capacity, width, num_requests = 6, 4, 3
-    steps = [[sorted(rng.sample(range(10), rng.randint(1, width))) for _ in range(40)] for _ in range(num_requests)]
-    hot_sets = HotSets.empty(num_requests, capacity)
-    table = torch.arange(10, dtype=torch.int32).repeat(num_requests, 1)
-    got: list[list[tuple[int, int]]] = [[] for _ in range(num_requests)]
+    width, num_requests, num_pages = 4, 3, 14
+    # Request r's block b on host page 10 r + b; requests 1 and 2 share their block 0 (a shared prefix's page).
+    table = torch.arange(10, dtype=torch.int32)[None] + 10 * torch.arange(num_requests, dtype=torch.int32)[:, None]
+    table[2, 0] = table[1, 0]
+    cache = PageCache.empty(num_pages, 10 * num_requests)
+    wanted_steps, got = [], []
     for step in range(40):
-        rows = [steps[r][step] + [-1] * (width - len(steps[r][step])) for r in range(num_requests)]
-        resolution = resolve(hot_sets, torch.tensor(rows, dtype=torch.int32), table, step)
-        for r in range(num_requests):
-            got[r].append((int(resolution.hits[r]), int(resolution.misses[r])))
-    assert got == [lru_slots(steps[r], capacity) for r in range(num_requests)]
+        rows = [sorted(rng.sample(range(10), rng.randint(1, width))) for _ in range(num_requests)]
+        blocks = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32)
+        wanted_steps.append(sorted({int(table[r, b]) for r, row in enumerate(rows) for b in row}))
+        resolution = resolve(cache, blocks, table, step)
+        got.append((int(resolution.hits), int(resolution.misses)))
+    assert got == lru_counts(wanted_steps, num_pages)
 
 
-def test_a_hot_set_smaller_than_a_steps_blocks_is_refused():
-    with pytest.raises(ValueError, match="cannot hold a step's 8 blocks"):
-        resolve(HotSets.empty(1, 7), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 0)
+def test_a_device_tier_smaller_than_a_steps_blocks_is_refused():
+    with pytest.raises(ValueError, match="cannot hold a step's 2 x 8 blocks"):
+        resolve(PageCache.empty(15, 4), torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), 0)

@@ -1,20 +1,27 @@
-"""The K/V host tier's step: which device pages hold the blocks a decode step reads, and what is copied in first.
+"""The K/V host tier's step: which device pages hold the pages a decode step reads, and what is copied in first.
 
 An MSA decode step reads the K/V of at most Hi x K blocks per request (each index head's top-k), and consecutive
 steps read many of the same blocks (results/README.md, "Selection reuse across decode steps"). With a host tier the
-K/V of every block lives in host memory (its page in host_block_table) and may also still be resident in a device
-page (resident_block_table, -1 where spilled); each request keeps a hot set on the device: `capacity` pages holding
-the spilled blocks it read last, least recently used out. Per decode step, after top-k:
+K/V of every page lives in host memory, at the page vLLM's block table names (host_block_table: the pages are
+vLLM's block ids), and a layer's device tier is a PageCache: `num_pages` device pages holding copies of host pages,
+least recently used out. The cache is keyed by host page, not by request or batch row: vLLM moves requests between
+batch rows from step to step and hands a freed page to the next request, and a page of a prefix shared by several
+requests is one copy for all of them. Per decode step, after top-k:
 
     selected [R, Hi, K] --step_blocks--> the step's blocks [R, Hi*K] (each once, -1 padded)
-        --resolve(hot_sets, host_block_table, resident_block_table)--> Resolution: the block table the sparse
-                  attention reads (block -> its resident page or its hot page, for the step's blocks only), the host
-                  pages to copy in and the hot pages they fill
-        --copy_pages--> the hot pages hold every block the step reads; sparse attention runs unchanged
+        --resolve(cache, host_block_table)--> Resolution: the block table the sparse attention reads (block -> the
+                  device page holding its host page, for the step's blocks only), the host pages to copy in and the
+                  device pages they fill
+        --copy_pages--> the device pages hold every page the step reads; sparse attention runs unchanged
+
+and every K/V write goes to its host page and, where a device page holds a copy of that page, to the copy too
+(PageCache.device_slots: the write-through slots), so a copy never goes stale: not when the step's token lands in
+its own block (read every step), nor when a freed page is written by the request it goes to next.
 
 The sparse attention reads only the selected blocks' pages (msa_kernels.reference.sparse_attention, the CuTeDSL
-kernels), so the resolved block table is the only change it sees. resolve is torch ops on the device without a host
-sync or data-dependent shapes; copy_pages here is the reference (it indexes by a mask, which syncs a GPU's host).
+kernels), so the resolved block table is the only change it sees. resolve and device_slots are torch ops on the
+device without a host sync or data-dependent shapes; copy_pages here is the reference (it indexes by a mask, which
+syncs a GPU's host).
 """
 
 from dataclasses import dataclass
@@ -26,122 +33,138 @@ _NEVER = -1  # last_used of a slot that holds nothing: the first chosen for a mi
 
 
 @dataclass
-class HotSets:
-    """Per request row, its hot set: `capacity` device pages and the blocks they hold.
+class PageCache:
+    """A layer's device tier: `num_pages` device pages caching host pages, least recently used out.
 
-    pages [R, capacity] int32: the device page of each slot (fixed; rows own disjoint pages);
-    blocks [R, capacity] int32: the logical block each slot holds, -1 = none;
-    last_used [R, capacity] int64: the step that last read each slot, -1 = never."""
+    pages [P] int32: the device page of each slot (fixed);
+    held [P] int32: the host page each slot holds a copy of, -1 = none;
+    last_used [P] int64: the step that last read each slot, -1 = never;
+    slot_of [H] int32: the slot holding each of the H host pages, -1 = none (what lookups and writes read)."""
 
     pages: torch.Tensor
-    blocks: torch.Tensor
+    held: torch.Tensor
     last_used: torch.Tensor
+    slot_of: torch.Tensor
 
     @classmethod
     def empty(
-        cls, num_requests: int, capacity: int, device: torch.device | str = "cpu", first_page: int = 0
-    ) -> "HotSets":
-        """Hot sets of `capacity` pages each, request r's on device pages first_page + [r * capacity, (r + 1) *
-        capacity)."""
-        pages = torch.arange(num_requests * capacity, dtype=torch.int32, device=device).view(num_requests, capacity)
-        pages += first_page
-        blocks = torch.full_like(pages, -1)
-        return cls(pages, blocks, torch.full(pages.shape, _NEVER, dtype=torch.int64, device=device))
+        cls, num_pages: int, num_host_pages: int, device: torch.device | str = "cpu", first_page: int = 0
+    ) -> "PageCache":
+        """An empty cache on device pages first_page + [0, num_pages) for num_host_pages host pages."""
+        pages = torch.arange(first_page, first_page + num_pages, dtype=torch.int32, device=device)
+        return cls(
+            pages,
+            torch.full_like(pages, -1),
+            torch.full((num_pages,), _NEVER, dtype=torch.int64, device=device),
+            torch.full((num_host_pages,), -1, dtype=torch.int32, device=device),
+        )
 
     @property
-    def capacity(self) -> int:
-        return self.pages.shape[1]
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    def device_slots(self, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The device slots [T] int64 a K/V write at host slots slot_mapping [T] also goes to: the same row of the
+        page's copy where a device page holds one, else -1 (as padding: skipped)."""
+        host_page = torch.where(slot_mapping >= 0, slot_mapping // block_size, 0).long()
+        slot = self.slot_of[host_page].long()
+        device_page = self.pages[slot.clamp(min=0)].long()
+        copied = (slot_mapping >= 0) & (slot >= 0)
+        return torch.where(copied, device_page * block_size + slot_mapping % block_size, -1)
 
 
 class Resolution(NamedTuple):
     """Where a decode step's blocks are read from, and what must be copied in before the step reads them.
 
     block_table [R, max_blocks] int32: the device page of each block the step reads (others -1);
-    copy_from [R, N] int32: per block of step_blocks' row, its host page where it misses, else -1;
-    copy_to [R, N] int32: the device page a missing block is copied into (-1 where copy_from is);
-    hits [R] int32: the step's spilled blocks already in the hot set;
-    resident [R] int32: the step's blocks read from their resident pages."""
+    copy_from [N] int32: the host pages to copy in (a page the step reads that no device page held), -1 padded;
+    copy_to [N] int32: the device page each is copied into (-1 where copy_from is);
+    hits [] int32: the step's distinct pages a device page held already."""
 
     block_table: torch.Tensor
     copy_from: torch.Tensor
     copy_to: torch.Tensor
     hits: torch.Tensor
-    resident: torch.Tensor
 
     @property
     def misses(self) -> torch.Tensor:
-        """[R] int32: the step's blocks copied in from host memory."""
-        return (self.copy_from >= 0).sum(1, dtype=torch.int32)
+        """[] int32: the step's pages copied in from host memory."""
+        return (self.copy_from >= 0).sum(dtype=torch.int32)
+
+
+def _unique_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row's values >= 0, each once, ascending, then -1 (values [rows, n] int)."""
+    ordered = values.sort(dim=1).values
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)
+    repeated[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    high = torch.iinfo(ordered.dtype).max
+    ordered = ordered.masked_fill(repeated | (ordered < 0), high).sort(dim=1).values
+    return ordered.masked_fill(ordered == high, -1)
 
 
 def step_blocks(selected: torch.Tensor) -> torch.Tensor:
     """The blocks each request's decode token reads, [R, Hi*K] int32: the union of its index heads' selected blocks
     (selected [R, Hi, K], -1 = none), each once, ascending, then -1."""
-    blocks = selected.flatten(1).sort(dim=1).values
-    repeated = torch.zeros_like(blocks, dtype=torch.bool)
-    repeated[:, 1:] = blocks[:, 1:] == blocks[:, :-1]
-    blocks = blocks.masked_fill(repeated | (blocks < 0), torch.iinfo(blocks.dtype).max).sort(dim=1).values
-    return blocks.masked_fill(blocks == torch.iinfo(blocks.dtype).max, -1).to(torch.int32)
+    return _unique_rows(selected.flatten(1)).to(torch.int32)
 
 
-def resolve(
-    hot_sets: HotSets,
-    blocks: torch.Tensor,
-    host_block_table: torch.Tensor,
-    step: int,
-    resident_block_table: torch.Tensor | None = None,
-) -> Resolution:
-    """Give every block of the step (blocks [R, N] from step_blocks) a device page: its resident page where
-    resident_block_table [R, max_blocks] has one (>= 0; None: every block spilled), else a page of its request's hot
-    set: a block already held keeps its page (a hit); a missing block takes the least recently used slot that the
-    step does not read (empty slots first) and is to be copied in from its host page (host_block_table [R,
-    max_blocks]). Updates hot_sets in place (the blocks held, their last use: `step`). Needs capacity >= N, so every
-    miss finds a slot."""
-    if hot_sets.capacity < blocks.shape[1]:
+def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tensor, step: int) -> Resolution:
+    """Give every block of the step (blocks [R, N] from step_blocks) the device page holding a copy of its host page
+    (host_block_table [R, max_blocks]): a page already held keeps its device page (a hit); a page held nowhere takes
+    the least recently used slot the step does not read (empty slots first) and is to be copied in. Updates the
+    cache in place (the pages held, their last use: `step`). Needs num_pages >= R x N, so every miss finds a slot
+    whatever the step reads."""
+    rows, width = blocks.shape
+    if cache.num_pages < rows * width:
         raise ValueError(
-            f"a hot set of {hot_sets.capacity} pages cannot hold a step's {blocks.shape[1]} blocks (Hi x K)"
+            f"a device tier of {cache.num_pages} pages cannot hold a step's {rows} x {width} blocks (requests x Hi x K)"
         )
-    rows, capacity = hot_sets.blocks.shape
     read = blocks >= 0
-    gather_at = blocks.clamp(min=0).long()
-    if resident_block_table is None:
-        resident_page = torch.full_like(blocks, -1)
-    else:
-        resident_page = torch.where(read, resident_block_table.gather(1, gather_at), -1)
-    spilled = read & (resident_page < 0)  # the blocks the hot set serves
-    held = (blocks[:, :, None] == hot_sets.blocks[:, None, :]) & spilled[:, :, None]  # [R, N, capacity]
-    hit = held.any(2)
-    slot_read = held.any(1)  # [R, capacity]: slots the step reads already
-    miss = spilled & ~hit
-    # The misses of a row take its unread slots in order of last use (never used first), one each.
-    free_first = torch.where(slot_read, torch.iinfo(torch.int64).max, hot_sets.last_used).argsort(dim=1, stable=True)
-    miss_slot = free_first.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
-    slot = torch.where(hit, held.to(torch.int8).argmax(2), miss_slot)
-    # Entries the hot set does not serve (no block, or a resident one) write a sink column past the real ones.
-    target = torch.where(spilled, slot, capacity)
-    held_blocks = torch.cat([hot_sets.blocks, hot_sets.blocks.new_full((rows, 1), -1)], 1)
-    held_blocks.scatter_(1, target, blocks)
-    last_used = torch.cat([hot_sets.last_used, hot_sets.last_used.new_full((rows, 1), _NEVER)], 1)
-    last_used.scatter_(1, target, step)
-    hot_sets.blocks.copy_(held_blocks[:, :capacity])
-    hot_sets.last_used.copy_(last_used[:, :capacity])
-    hot_page = torch.where(spilled, hot_sets.pages.gather(1, slot), -1)
-    page = torch.where(resident_page >= 0, resident_page, hot_page)
+    host_page = torch.where(read, host_block_table.gather(1, blocks.clamp(min=0).long()), -1)
+    wanted = _unique_rows(host_page.view(1, -1))[0]  # [R*N]: the step's distinct host pages, -1 padded
+    present = wanted >= 0
+    slot = torch.where(present, cache.slot_of[wanted.clamp(min=0).long()], -1)
+    hit = present & (slot >= 0)
+    miss = present & (slot < 0)
+    num_pages = cache.num_pages
+    sink = torch.full_like(wanted, num_pages).long()  # past the real slots: where entries without a slot write
+    slot_read = torch.zeros(num_pages + 1, dtype=torch.bool, device=blocks.device)
+    slot_read.scatter_(0, torch.where(hit, slot.long(), sink), True)
+    # The misses take the unread slots in order of last use (never used first), one each.
+    free_first = torch.where(slot_read[:num_pages], torch.iinfo(torch.int64).max, cache.last_used)
+    free_first = free_first.argsort(stable=True)
+    miss_slot = free_first[(miss.cumsum(0) - 1).clamp(min=0)]
+    slot = torch.where(miss, miss_slot.to(slot.dtype), slot).long()
+    # A slot taken by a miss stops holding its old page; then each read slot holds its page, read at `step`.
+    evicted = torch.where(miss, cache.held[slot.clamp(min=0, max=num_pages - 1)], -1).long()
+    host_sink = cache.slot_of.shape[0]
+    slot_of = torch.cat([cache.slot_of, cache.slot_of.new_full((1,), -1)])
+    slot_of.scatter_(0, torch.where(evicted >= 0, evicted, host_sink), -1)
+    target = torch.where(present, slot, sink)
+    slot_of.scatter_(0, torch.where(present, wanted.long(), host_sink), target.to(slot_of.dtype))
+    held = torch.cat([cache.held, cache.held.new_full((1,), -1)])
+    held.scatter_(0, target, wanted.to(held.dtype))
+    last_used = torch.cat([cache.last_used, cache.last_used.new_full((1,), _NEVER)])
+    last_used.scatter_(0, target, step)
+    cache.slot_of.copy_(slot_of[:host_sink])
+    cache.held.copy_(held[:num_pages])
+    cache.last_used.copy_(last_used[:num_pages])
+    # Each row's blocks to the device page now holding their host page.
+    device_page = cache.pages[cache.slot_of[host_page.clamp(min=0).long()].clamp(min=0).long()]
     max_blocks = host_block_table.shape[1]
     block_table = host_block_table.new_full((rows, max_blocks + 1), -1)
-    block_table.scatter_(1, torch.where(read, blocks, max_blocks).long(), page.to(block_table.dtype))
-    copy_from = torch.where(miss, host_block_table.gather(1, gather_at), -1)
+    block_table.scatter_(1, torch.where(read, blocks, max_blocks).long(), device_page.to(block_table.dtype))
+    copy_page = cache.pages[slot.clamp(min=0)]
     return Resolution(
         block_table[:, :max_blocks].to(torch.int32),
-        copy_from.to(torch.int32),
-        torch.where(miss, hot_page, -1).to(torch.int32),
-        hit.sum(1, dtype=torch.int32),
-        (resident_page >= 0).sum(1, dtype=torch.int32),
+        torch.where(miss, wanted, -1).to(torch.int32),
+        torch.where(miss, copy_page, -1).to(torch.int32),
+        hit.sum(dtype=torch.int32),
     )
 
 
 def copy_pages(host_kv: torch.Tensor, device_kv: torch.Tensor, resolution: Resolution) -> None:
-    """Copy the missing blocks' K/V pages (host_kv [host pages, ...]) into their hot pages (device_kv [device pages,
+    """Copy the missing pages' K/V (host_kv [host pages, ...]) into their device pages (device_kv [device pages,
     ...]), the reference: it selects the copies by a mask, a host sync on a GPU."""
     missing = resolution.copy_from >= 0
     source = resolution.copy_from[missing].long().to(host_kv.device)
