@@ -50,7 +50,7 @@ SERVER_ERRORS = (local_server.NotHealthyError, OSError, KeyError)  # a server th
 
 
 class Server:
-    """One `vllm serve` of MODEL on a free port, its log in OUT/server-NAME.log, stopped on leaving."""
+    """One `vllm serve` of MODEL on --port, its log in OUT/server-NAME.log, stopped on leaving."""
 
     def __init__(self, name: str, opts: argparse.Namespace, flags: list[str], env: dict[str, str] | None = None):
         self.name, self.opts, self.flags, self.env = name, opts, flags, env
@@ -161,9 +161,6 @@ def example_check(opts, prompts, reference, tokenizer) -> list[Result]:
 
 
 def offload_check(opts, prompts, reference, tokenizer) -> list[Result]:
-    blocks_per_prompt = -(-(opts.prompt_tokens + ANSWER_TOKENS) // 128)
-    if opts.offload_gpu_blocks >= blocks_per_prompt * len(prompts):
-        raise SystemExit(f"--offload-gpu-blocks {opts.offload_gpu_blocks} holds every prompt: nothing is offloaded")
     flags = ["--kv-offloading-size", str(opts.offload_gib), "--num-gpu-blocks-override", str(opts.offload_gpu_blocks)]
     with Server("offload", opts, flags, env={UNVERIFIED_KV_CONNECTORS_ENV: "OffloadingConnector"}) as server:
         first = server.answers(prompts)
@@ -189,6 +186,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     own, serve_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     opts = parser.parse_args(own)
     opts.serve_flags = serve_flags
+    blocks_per_prompt = -(-(opts.prompt_tokens + ANSWER_TOKENS) // 128)
+    if "offload" in opts.checks and opts.offload_gpu_blocks >= blocks_per_prompt * opts.prompts:
+        parser.error(f"--offload-gpu-blocks {opts.offload_gpu_blocks} holds every prompt: nothing would be offloaded")
     return opts
 
 
