@@ -119,9 +119,9 @@ class Steps(NamedTuple):
 @dataclass(frozen=True, eq=False)  # compared and hashed as itself: a key of its bound launches
 class Kernels:
     """What runs every step of a layer of one shape: the decode part's steps, the prefill part's, and what writes
-    the step's index keys into the index-key cache (bf16 or FP8). Chosen once per kind of layer (kernels()); a layer holds its
-    own (vllm_msa's MSAImpl), and the first layer call of a step binds them to the step's parts for the others, so
-    a call looks nothing up and works nothing out again."""
+    the step's index keys into the index-key cache (bf16 or FP8). Chosen once per kind of layer (kernels()); a layer
+    holds its own (vllm_msa's MSAImpl), and the first layer call of a step binds them to the step's parts for the
+    others, so a call looks nothing up and works nothing out again."""
 
     decode: Steps
     prefill: Steps
