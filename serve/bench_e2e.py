@@ -425,9 +425,9 @@ def greedy_tokens(server: Server, input_len: int, opts) -> None:
     try:
         logprobs = post_json(f"{server.url}/v1/completions", body, opts.bench_timeout)["choices"][0]["logprobs"]
         greedy = {
-            "tokens": [_token_id(token) for token in logprobs["tokens"]],
+            "tokens": [token_id(token) for token in logprobs["tokens"]],
             "logprobs": logprobs["token_logprobs"],
-            "top_logprobs": [{_token_id(t): lp for t, lp in top.items()} for top in logprobs["top_logprobs"]],
+            "top_logprobs": [{token_id(t): lp for t, lp in top.items()} for top in logprobs["top_logprobs"]],
         }
     except (OSError, KeyError, TypeError, ValueError) as e:  # urllib's errors are OSErrors
         report_failure(server, f"the greedy request at input {input_len} failed: {e!r}", server.log)
@@ -437,7 +437,8 @@ def greedy_tokens(server: Server, input_len: int, opts) -> None:
     print(f"[{server.name}] input {input_len}: greedy tokens {greedy['tokens']} ({time.time() - started:.0f} s)")
 
 
-def _token_id(token: str) -> int:
+def token_id(token: str) -> int:
+    """The id of a token vLLM names "token_id:ID" (return_tokens_as_token_ids)."""
     return int(token.removeprefix("token_id:"))
 
 

@@ -26,8 +26,6 @@ only) and OUT/server-NAME.log; exit status 1 when a check fails or a server does
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import time
 import urllib.request
@@ -37,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from serve import local_server  # noqa: E402
+from serve.bench_e2e import token_id, vllm_command  # noqa: E402
 from serve.eval_needle import cell_prompts  # noqa: E402
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer  # noqa: E402
 from vllm_msa.checkpoint import EOS  # noqa: E402
@@ -58,7 +57,7 @@ class Server:
         self.port = opts.port
 
     def __enter__(self) -> "Server":
-        cmd = [vllm_command(), "serve", str(self.opts.model), "--attention-backend", "FLASH_MSA"]
+        cmd = [*vllm_command(), "serve", str(self.opts.model), "--attention-backend", "FLASH_MSA"]
         cmd += ["--served-model-name", "msa", "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--max-model-len", str(self.opts.prompt_tokens + ANSWER_TOKENS)]
         cmd += ["--max-num-batched-tokens", str(self.opts.prompt_tokens + ANSWER_TOKENS)]  # a prompt in one chunk
@@ -93,8 +92,7 @@ class Server:
                 "return_tokens_as_token_ids": True,
             }
             reply = local_server.post_json(f"{self.url}/v1/completions", body, REQUEST_TIMEOUT_S)
-            listed = reply["choices"][0]["logprobs"]["tokens"]  # "token_id:N" with return_tokens_as_token_ids
-            tokens.append([int(t.removeprefix("token_id:")) for t in listed])
+            tokens.append([token_id(t) for t in reply["choices"][0]["logprobs"]["tokens"]])
         return tokens
 
     def metrics(self, words: tuple[str, ...]) -> list[str]:
@@ -105,11 +103,6 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def vllm_command() -> str:
-    """The `vllm` of this Python's environment (.venv/bin/vllm on CPU), else the one on PATH."""
-    return shutil.which("vllm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])) or "vllm"
 
 
 Result = tuple[bool | None, str]  # (passed, what): None for a line reported, not checked
