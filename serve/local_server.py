@@ -1,5 +1,6 @@
 """Local vLLM servers: start one in its own process session with its log, wait until GET /health answers 200,
-stop it with every process it started; post JSON requests to it.
+stop it with every process it started, also when this process is stopped by SIGTERM (`timeout`, `kill`); post JSON
+requests to it.
 
 The one Python helper for servers of the project: the tests' demo server (`tests/serving.py`) and the
 end-to-end benchmark's servers (`serve/bench_e2e.py`, also serve/eval_needle.py's) start and stop through it,
@@ -16,6 +17,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -75,9 +78,18 @@ def wait_healthy(
     return time.monotonic() - started
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in this process, as Ctrl-C raises KeyboardInterrupt, so that the caller's
+    `finally: stop(proc)` runs: a server in its own session outlives a caller killed outright, keeping its port
+    and device memory from whatever runs next. Only from the main thread, and only over the default action."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def start(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Start a server command (`vllm serve ...`, `bash serve/demo.sh ...`) in its own process session, its output
-    in log_path; stop() stops it with its engine and worker processes."""
+    in log_path; stop() stops it with its engine and worker processes (exit_on_sigterm: also after a SIGTERM)."""
+    exit_on_sigterm()
     with open(log_path, "w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
             cmd,

@@ -1,13 +1,17 @@
 """The end-to-end benchmark's model and orchestration, on CPU: serve/build_m3_model.py --preset
 m3-attention; serve/bench_e2e.py's default configurations (checked with vLLM's own argument parser,
 hf-override code and weight-loader check); its server orchestration (parallel start, a failing
-server, summary, charts) against a stand-in `vllm` that answers /health and writes bench results.
+server, a run stopped by SIGTERM, summary, charts) against a stand-in `vllm` that answers /health and
+writes bench results.
 
     python3 -m pytest -q tests/test_bench_e2e.py
 """
 
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from serve import bench_e2e
-from tests.serving import free_port
+from serve.local_server import healthy
+from tests.serving import ROOT, free_port
 
 M3_CONTEXT = 131072 + 8192  # a 128K prompt plus outputs
 
@@ -193,7 +198,7 @@ def test_repeated_prompts_repeat_a_piece_up_to_the_input_length(demo_model, tmp_
 
 
 STAND_IN_VLLM = """
-import http.server, json, sys
+import http.server, json, sys, time
 args = sys.argv[1:]
 opt = lambda name: args[args.index(name) + 1]
 if args[0] == "serve":
@@ -222,6 +227,7 @@ if args[0] == "serve":
 else:  # bench serve: TPOT = input length / 100 * (1 + server index)
     scale = 1 + int(opt("--base-url").rsplit(":", 1)[1]) - PORT
     n = int(opt("--random-input-len"))
+    time.sleep(600 if n == HANGING_INPUT_LEN else 0)
     result = {"mean_ttft_ms": n / 10 * scale, "mean_tpot_ms": n / 100 * scale, "median_itl_ms": n / 200 * scale,
               "p99_itl_ms": n / 50 * scale, "output_throughput": 1000 / scale, "num_prompts": 4, "failed": 0}
     with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
@@ -229,12 +235,19 @@ else:  # bench serve: TPOT = input length / 100 * (1 + server index)
 """
 
 
+HANGING_INPUT_LEN = 999  # the stand-in's `vllm bench serve` of this input length never ends
+
+
+def stand_in_vllm(port: int) -> str:
+    return STAND_IN_VLLM.replace("PORT", str(port)).replace("HANGING_INPUT_LEN", str(HANGING_INPUT_LEN))
+
+
 def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(
     demo_model, tmp_path, monkeypatch, capsys
 ):
     port = free_port()
     stand_in = tmp_path / "vllm.py"
-    stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
+    stand_in.write_text(stand_in_vllm(port))
     monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
     out = tmp_path / "out"
     servers = bench_e2e.main(
@@ -295,7 +308,7 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
 def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model, tmp_path, monkeypatch):
     port = free_port()
     stand_in = tmp_path / "vllm.py"
-    stand_in.write_text(STAND_IN_VLLM.replace("PORT", str(port)))
+    stand_in.write_text(stand_in_vllm(port))
     monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
     run_together = bench_e2e.run_together
     groups = []
@@ -314,3 +327,33 @@ def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model
     assert groups == [["A"], ["B"]]
     summary = (out / "summary.md").read_text()
     assert "| 100 | 1 | A | 10.0 | 1.0 | 0.5 | 2.0 | 1000.0 | 1.00 | 1.00 | 1.00 |" in summary
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_server(demo_model, tmp_path):
+    """As `timeout` stops a chain's step: the server (in its own session) must not outlive the benchmark and keep
+    the port and device memory from the next step (2026-12-07 on the GPU: it did, and the next two steps failed)."""
+    port = free_port()
+    stand_in = tmp_path / "bin" / "vllm"
+    stand_in.parent.mkdir()
+    stand_in.write_text(f"#!{sys.executable}\n{stand_in_vllm(port)}")
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    argv = [str(demo_model), "--input-lens", str(HANGING_INPUT_LEN), "--concurrency", "1", "--port", str(port)]
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "serve.bench_e2e", *argv, "--only", "FLASH_MSA", "--out", str(out)],
+        cwd=ROOT,
+        env=os.environ | {"PATH": f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in bench.stdout:  # until the hanging load has started
+            if "(load 1/1): vllm bench serve" in line:
+                break
+        assert healthy(f"http://127.0.0.1:{port}")
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=90) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    assert not healthy(f"http://127.0.0.1:{port}")
