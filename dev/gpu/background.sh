@@ -2,7 +2,8 @@
 # On the GPU machine: run work that outlasts one device call (at most 600 s) in the background, from its
 # own copy of the working tree (later calls replace the tree), and wait for it over as many calls as it
 # needs. Each call runs the same command line; the first starts the job, every call waits up to WAIT
-# seconds (default 540) for it, prints the log's tail and packs OUT_DIR and the log into $OUT/NAME.tgz.
+# seconds (default 540) for it, prints the log's tail and packs OUT_DIR and the log into $OUT/NAME.tgz: the files
+# of at most PACK_MAX_KIB (default 4096; a device call returns at most 16 MiB a file), the others named.
 #   bash dev/gpu/background.sh NAME OUT_DIR -- COMMAND...
 # e.g. (after `source dev/gpu/install_vllm.sh`):
 #   bash dev/gpu/background.sh e2e /tmp/e2e -- python3 serve/bench_e2e.py /tmp/m3a --input-lens 32768 131072 \
@@ -30,5 +31,7 @@ if [ -n "${OUT:-}" ]; then
   cp "$job/log" "$job/$name.log"
   packed=("${job#/}/$name.log")
   [ -e "$out_dir" ] && packed+=("${out_dir#/}")
-  tar czf "$OUT/$name.tgz" -C / "${packed[@]}"
+  max_kib=${PACK_MAX_KIB:-4096}
+  (cd / && find "${packed[@]}" -type f -size +"${max_kib}k") | sed "s|^|background $name: not packed, over $max_kib KiB: /|"
+  (cd / && find "${packed[@]}" -type f ! -size +"${max_kib}k" -print0) | tar czf "$OUT/$name.tgz" -C / --null -T -
 fi

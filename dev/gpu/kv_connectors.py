@@ -12,21 +12,24 @@ its block). Each server is `vllm serve MODEL --attention-backend FLASH_MSA` with
 prefix caching), the flags after `--`, and its check's own:
 
   reference  no connector: the tokens every other server must give
-  example    ExampleConnector (kv_both, a fresh folder): a producer answers, saving each layer's K/V and index keys;
-             a consumer on the same folder answers again, loading them ("Inject KV cache of" once a prompt in its
-             log) instead of computing them; the files saved per layer kind are listed
+  example    ExampleConnector (kv_both, a fresh temporary folder, deleted after the check): a producer answers,
+             saving each layer's K/V and index keys; a consumer on the same folder answers again, loading them
+             ("Inject KV cache of" once a prompt in its log) instead of computing them; the files saved per layer
+             kind are listed
   offload    CPU offload (--kv-offloading-size GiB: vLLM's OffloadingConnector, not yet verified for FLASH_MSA's
              index-key caches, so accepted through FLASH_MSA_UNVERIFIED_KV_CONNECTORS): a GPU cache of
              --offload-gpu-blocks pages the prompts overflow, the prompts asked twice, so the second round finds
              the first ones' pages in host memory only; /metrics' prefix-cache and connector lines are reported
 
 Writes OUT/summary.md (a PASS/FAIL line per check with the first differing answer, INFO lines for what is reported
-only) and OUT/server-NAME.log; exit status 1 when a check fails or a server does not start or answer.
+only; rewritten after each check, so a run stopped midway keeps the checks it finished) and OUT/server-NAME.log;
+exit status 1 when a check fails or a server does not start or answer.
 """
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -125,7 +128,11 @@ def reference_answers(opts, prompts, tokenizer) -> tuple[list[list[int]], Result
 
 
 def example_check(opts, prompts, reference, tokenizer) -> list[Result]:
-    storage = opts.out / "example-storage"
+    with tempfile.TemporaryDirectory(prefix="example-storage-") as storage:  # GBs of K/V: not a result to keep
+        return example_check_in(Path(storage), opts, prompts, reference, tokenizer)
+
+
+def example_check_in(storage: Path, opts, prompts, reference, tokenizer) -> list[Result]:
     connector = {
         "kv_connector": "ExampleConnector",
         "kv_role": "kv_both",
@@ -194,6 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [cell_prompts(task, opts.prompt_tokens, depth, 1)[0] for depth in depths]
     started = time.monotonic()
     checks = {"example": example_check, "offload": offload_check}
+
+    def summary(results: list[Result], done: str) -> str:
+        """OUT/summary.md of the results so far (rewritten after each check), returned."""
+        header = (
+            f"kv_connectors: {opts.model}, {opts.prompts} prompts of {opts.prompt_tokens} tokens, "
+            f"flags {' '.join(opts.serve_flags) or '(none)'}, {done} after {time.monotonic() - started:.0f} s"
+        )
+        lines = [f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'} {detail}" for ok, detail in results]
+        text = "\n".join([header, *lines]) + "\n"
+        (opts.out / "summary.md").write_text(text)
+        return text
+
     try:
         reference, found = reference_answers(opts, prompts, tokenizer)
         results = [found]
@@ -201,17 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         results = [(False, f"reference: {type(error).__name__}: {error} (its log: server-reference.log)")]
     else:
         for name in opts.checks:
+            summary(results, f"checking {name}")
             try:
                 results += checks[name](opts, prompts, reference, tokenizer)
             except SERVER_ERRORS as error:
                 results.append((False, f"{name}: {type(error).__name__}: {error} (its server logs: server-*.log)"))
-    lines = [f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'} {detail}" for ok, detail in results]
-    header = (
-        f"kv_connectors: {opts.model}, {opts.prompts} prompts of {opts.prompt_tokens} tokens, "
-        f"flags {' '.join(opts.serve_flags) or '(none)'}, {time.monotonic() - started:.0f} s"
-    )
-    (opts.out / "summary.md").write_text("\n".join([header, *lines]) + "\n")
-    print("\n".join([header, *lines]))
+    print(summary(results, "done"), end="")
     return 0 if all(ok is not False for ok, _ in results) else 1
 
 
