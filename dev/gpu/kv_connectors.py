@@ -128,24 +128,21 @@ def reference_answers(opts, prompts, tokenizer) -> tuple[list[list[int]], Result
 
 
 def example_check(opts, prompts, reference, tokenizer) -> list[Result]:
-    with tempfile.TemporaryDirectory(prefix="example-storage-") as storage:  # GBs of K/V: not a result to keep
-        return example_check_in(Path(storage), opts, prompts, reference, tokenizer)
-
-
-def example_check_in(storage: Path, opts, prompts, reference, tokenizer) -> list[Result]:
-    connector = {
-        "kv_connector": "ExampleConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-    }
-    flags = ["--kv-transfer-config", json.dumps(connector)]
-    with Server("example-producer", opts, flags) as server:
-        produced = server.answers(prompts)
-    saved = sorted({p.name for p in storage.rglob("*.safetensors")})
-    index_key_files = [n for n in saved if n.endswith(".index_key_cache.safetensors")]
-    with Server("example-consumer", opts, flags) as server:
-        consumed = server.answers(prompts)
-        injected = server.log().count("Inject KV cache of")
+    with tempfile.TemporaryDirectory(prefix="example-storage-") as folder:  # GBs of K/V: not a result to keep
+        storage = Path(folder)
+        connector = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+        flags = ["--kv-transfer-config", json.dumps(connector)]
+        with Server("example-producer", opts, flags) as server:
+            produced = server.answers(prompts)
+        saved = sorted({p.name for p in storage.rglob("*.safetensors")})
+        index_key_files = [n for n in saved if n.endswith(".index_key_cache.safetensors")]
+        with Server("example-consumer", opts, flags) as server:
+            consumed = server.answers(prompts)
+            injected = server.log().count("Inject KV cache of")
     return [
         compare("ExampleConnector producer", produced, reference, tokenizer),
         compare("ExampleConnector consumer", consumed, reference, tokenizer),
