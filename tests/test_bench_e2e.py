@@ -238,17 +238,23 @@ else:  # bench serve: TPOT = input length / 100 * (1 + server index)
 HANGING_INPUT_LEN = 999  # the stand-in's `vllm bench serve` of this input length never ends
 
 
-def stand_in_vllm(port: int) -> str:
-    return STAND_IN_VLLM.replace("PORT", str(port)).replace("HANGING_INPUT_LEN", str(HANGING_INPUT_LEN))
+@pytest.fixture
+def stand_in_vllm(tmp_path, monkeypatch) -> tuple[int, Path]:
+    """(the first server's port, the stand-in `vllm` executable), bench_e2e's vllm_command routed to it."""
+    port = free_port()
+    stand_in = tmp_path / "bin" / "vllm"
+    stand_in.parent.mkdir()
+    script = STAND_IN_VLLM.replace("PORT", str(port)).replace("HANGING_INPUT_LEN", str(HANGING_INPUT_LEN))
+    stand_in.write_text(f"#!{sys.executable}\n{script}")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [str(stand_in)])
+    return port, stand_in
 
 
 def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_one(
-    demo_model, tmp_path, monkeypatch, capsys
+    demo_model, tmp_path, capsys, stand_in_vllm
 ):
-    port = free_port()
-    stand_in = tmp_path / "vllm.py"
-    stand_in.write_text(stand_in_vllm(port))
-    monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
+    port, _ = stand_in_vllm
     out = tmp_path / "out"
     servers = bench_e2e.main(
         [
@@ -305,11 +311,8 @@ def test_parallel_start_benchmarks_every_healthy_server_and_reports_the_failed_o
     assert "| 200 | B | 2 of 4 | 1.500 |" in summary and "| 100 | C | no tokens | - |" in summary
 
 
-def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model, tmp_path, monkeypatch):
-    port = free_port()
-    stand_in = tmp_path / "vllm.py"
-    stand_in.write_text(stand_in_vllm(port))
-    monkeypatch.setattr(bench_e2e, "vllm_command", lambda: [sys.executable, str(stand_in)])
+def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model, tmp_path, monkeypatch, stand_in_vllm):
+    port, _ = stand_in_vllm
     run_together = bench_e2e.run_together
     groups = []
 
@@ -329,14 +332,11 @@ def test_a_run_stopped_after_its_first_server_keeps_that_servers_rows(demo_model
     assert "| 100 | 1 | A | 10.0 | 1.0 | 0.5 | 2.0 | 1000.0 | 1.00 | 1.00 | 1.00 |" in summary
 
 
-def test_a_benchmark_stopped_by_sigterm_stops_its_server(demo_model, tmp_path):
+def test_a_benchmark_stopped_by_sigterm_stops_its_server(demo_model, tmp_path, stand_in_vllm):
     """As `timeout` stops a chain's step: the server (in its own session) must not outlive the benchmark and keep
-    the port and device memory from the next step (2026-12-07 on the GPU: it did, and the next two steps failed)."""
-    port = free_port()
-    stand_in = tmp_path / "bin" / "vllm"
-    stand_in.parent.mkdir()
-    stand_in.write_text(f"#!{sys.executable}\n{stand_in_vllm(port)}")
-    stand_in.chmod(0o755)
+    the port and device memory from the next step (2026-12-07 on the GPU: it did, and the next two steps failed).
+    The benchmark runs in a process of its own, so it finds the stand-in on PATH."""
+    port, stand_in = stand_in_vllm
     out = tmp_path / "out"
     argv = [str(demo_model), "--input-lens", str(HANGING_INPUT_LEN), "--concurrency", "1", "--port", str(port)]
     bench = subprocess.Popen(
