@@ -62,7 +62,7 @@ def lru(blocks: torch.Tensor, start: int, capacity: int) -> tuple[float, float, 
     hits = requests = 0
     misses = []
     for t in range(blocks.shape[0]):
-        resolution = resolve(cache, blocks[t : t + 1], host_block_table, t)
+        resolution = resolve(cache, blocks[t : t + 1], host_block_table)
         if t >= start:
             hit, missed = int(resolution.hits), int(resolution.misses)
             hits += hit

@@ -22,6 +22,7 @@ from msa_kernels.cute import (
     index_scores,
     index_scores_fp8,
     index_scores_prefill,
+    page_copy,
     sparse_attn,
     sparse_attn_prefill,
     topk_blocks,
@@ -32,6 +33,7 @@ from msa_kernels.cute.index_key_write import IndexKeyWriteKernel, IndexKeyWriteP
 from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
+from msa_kernels.cute.page_copy import PageCopyKernel, PageCopyParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
@@ -638,6 +640,65 @@ def test_index_key_write_kernel_stores_the_references_bytes_also_replayed_from_a
     reference.write_index_keys(cache_of(want_raw), slots, keys)
     torch.cuda.synchronize()
     assert torch.equal(raw, want_raw)
+
+
+PAGE_WORDS = [4, 4096 + 4, 128 * 4 * 256 // 2]  # a 16-byte page, one past a CTA's chunk, an M3 page (bf16)
+
+
+@pytest.mark.parametrize("page_words", PAGE_WORDS)
+def test_page_copy_kernel_compiles_for_sm90a(page_words, sm90a):
+    compiles_and_caches(PageCopyKernel, PageCopyParams(page_words), sm90a)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_words", PAGE_WORDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_page_copy_kernel_copies_the_missed_pages_from_pinned_host_memory_also_replayed_from_a_cuda_graph(
+    page_words, dtype
+):
+    """Host pages in pinned memory, read through their device view (UVA, as the host tier serves them): the pages
+    listed copied byte for byte, padding entries (-1) and the other device pages untouched; then the copy captured
+    in a CUDA graph, replayed on a new list."""
+    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+    host_count, device_count, entries = 40, 12, 10
+    elements = page_words * 4 // dtype.itemsize
+    generator = torch.Generator().manual_seed(page_words)
+    host = torch.randint(0, 256, (host_count, elements), dtype=torch.uint8, generator=generator).view(dtype)
+    host = host.pin_memory()
+    host_view = get_accelerator_view_from_cpu_tensor(host)
+    device = torch.randint(0, 256, (device_count, elements), dtype=torch.uint8, device="cuda").view(dtype)
+
+    def random_list():
+        copy_from = torch.randperm(host_count, generator=generator)[:entries].int()
+        copy_to = torch.randperm(device_count, generator=generator)[:entries].int()
+        padding = torch.rand(entries, generator=generator) < 0.3
+        return copy_from.masked_fill(padding, -1).cuda(), copy_to.masked_fill(padding, -1).cuda()
+
+    def check(copy_from, copy_to, before):
+        want = before.clone()
+        for source, target in zip(copy_from.tolist(), copy_to.tolist()):
+            if source >= 0:
+                want[target] = host[source].view(torch.uint8)
+        assert torch.equal(device.view(torch.uint8).cpu(), want)
+
+    copy_from, copy_to = random_list()
+    before = device.view(torch.uint8).cpu()
+    page_copy.copy_pages(host_view, device, copy_from, copy_to)
+    torch.cuda.synchronize()
+    check(copy_from, copy_to, before)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        page_copy.copy_pages(host_view, device, copy_from, copy_to)
+    new_from, new_to = random_list()
+    copy_from.copy_(new_from)
+    copy_to.copy_(new_to)
+    before = device.view(torch.uint8).cpu()
+    graph.replay()
+    torch.cuda.synchronize()
+    check(copy_from, copy_to, before)
 
 
 # Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K

@@ -51,10 +51,10 @@ def device_tier(host_kv: torch.Tensor, num_pages: int) -> tuple[PageCache, torch
     return PageCache.empty(num_pages, host_kv.shape[0]), device_kv
 
 
-def attend_through(cache: PageCache, device_kv, host_kv, batch: PagedBatch, q, selected, step: int, scale: float):
+def attend_through(cache: PageCache, device_kv, host_kv, batch: PagedBatch, q, selected, scale: float):
     """One decode step through the device tier: resolve, copy in, the sparse attention on the device pages."""
-    resolution = resolve(cache, step_blocks(selected), batch.block_table, step)
-    copy_pages(host_kv, device_kv, resolution)
+    resolution = resolve(cache, step_blocks(selected), batch.block_table)
+    copy_pages(host_kv, device_kv, resolution.copy_from, resolution.copy_to)
     device_batch = PagedBatch(batch.query_start_loc, batch.seq_lens, resolution.block_table, "decode")
     return reference.sparse_attention(q, device_kv, device_batch, selected, SHAPE, scale), resolution
 
@@ -75,7 +75,7 @@ def test_attention_through_the_device_tier_equals_attention_on_the_whole_cache(n
     seen: set[int] = set()
     for step, (_, batch, q, selected) in enumerate(steps):
         held_before = set(cache.held.tolist())
-        through, resolution = attend_through(cache, device_kv, host_kv, batch, q, selected, step, case.scale)
+        through, resolution = attend_through(cache, device_kv, host_kv, batch, q, selected, case.scale)
         whole = reference.sparse_attention(q, host_kv, batch, selected, SHAPE, case.scale)
         assert torch.equal(through, whole), f"step {step}"
         blocks = step_blocks(selected)
@@ -97,7 +97,7 @@ def test_a_page_freed_and_written_by_the_next_request_is_read_as_written():
     (case, batch, q, selected), *_ = decode_steps(1, seed=7)
     host_kv = case.kv_cache
     cache, device_kv = device_tier(host_kv, 48)
-    attend_through(cache, device_kv, host_kv, batch, q, selected, 0, case.scale)
+    attend_through(cache, device_kv, host_kv, batch, q, selected, case.scale)
     g = torch.Generator().manual_seed(8)
     new_len = 190  # in the finished request's 13 pages (it had 201 tokens)
     pages = case.batch.block_table[1, : -(-new_len // SHAPE.block_size)].long()
@@ -113,7 +113,7 @@ def test_a_page_freed_and_written_by_the_next_request_is_read_as_written():
     q = torch.randn(case.q.shape, generator=g, dtype=torch.float64)
     scores = reference.index_block_scores(case.index_q, case.index_key_cache, new_batch, SHAPE)
     selected = reference.topk_blocks(scores, new_batch.positions, SHAPE)
-    through, resolution = attend_through(cache, device_kv, host_kv, new_batch, q, selected, 1, case.scale)
+    through, resolution = attend_through(cache, device_kv, host_kv, new_batch, q, selected, case.scale)
     assert int(resolution.hits) > 0
     assert torch.equal(through, reference.sparse_attention(q, host_kv, new_batch, selected, SHAPE, case.scale))
 
@@ -121,7 +121,7 @@ def test_a_page_freed_and_written_by_the_next_request_is_read_as_written():
 def test_device_slots_are_the_written_rows_in_the_copies_of_held_pages():
     cache = PageCache.empty(4, 10, first_page=20)
     table = torch.tensor([[3, 7, 1]], dtype=torch.int32)
-    resolve(cache, torch.tensor([[0, 2, -1]], dtype=torch.int32), table, 0)  # host pages 3 and 1 held
+    resolve(cache, torch.tensor([[0, 2, -1]], dtype=torch.int32), table)  # host pages 3 and 1 held
     block = 16
     slots = torch.tensor([3 * block + 5, 7 * block, 1 * block + 15, -1, 1 * block])
     device_page = {p: int(cache.pages[int(cache.slot_of[p])]) for p in (3, 1)}
@@ -157,15 +157,15 @@ def test_the_device_tier_keeps_the_least_recently_used_policy():
     table[2, 0] = table[1, 0]
     cache = PageCache.empty(num_pages, 10 * num_requests)
     wanted_steps, got = [], []
-    for step in range(40):
+    for _ in range(40):
         rows = [sorted(rng.sample(range(10), rng.randint(1, width))) for _ in range(num_requests)]
         blocks = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32)
         wanted_steps.append(sorted({int(table[r, b]) for r, row in enumerate(rows) for b in row}))
-        resolution = resolve(cache, blocks, table, step)
+        resolution = resolve(cache, blocks, table)
         got.append((int(resolution.hits), int(resolution.misses)))
     assert got == lru_counts(wanted_steps, num_pages)
 
 
 def test_a_device_tier_smaller_than_a_steps_blocks_is_refused():
     with pytest.raises(ValueError, match="cannot hold a step's 2 x 8 blocks"):
-        resolve(PageCache.empty(15, 4), torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), 0)
+        resolve(PageCache.empty(15, 4), torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32))

@@ -10,6 +10,8 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
               repeated text: must give msa_plain's tokens, every verification step on the decode kernels
   msa_tight   as msa, with a KV cache of 36 pages for 10 concurrent 500-1400-token requests, so the
               scheduler must preempt; each request's tokens must equal running it alone (in msa)
+  msa_host_tier  as msa, the MSA layers' K/V in host memory and 32 device pages a layer (the host tier,
+              --max-num-seqs 2): each request's tokens must equal running it alone (in msa)
   msa_tp2     as msa, tensor parallel 2 (Hkv 2, Hi 4: each rank 1 KV head, 2 index heads)
   msa_pp2     as msa, pipeline parallel 2 (layers 0-1 and 2-3)
   replicated  a demo variant with 1 KV head and 1 index head, tensor parallel 1 and 2: at TP 2 both
@@ -323,6 +325,41 @@ def test_preemption_under_a_tight_kv_cache_keeps_every_request_identical_to_runn
         assert got == want, i
 
 
+HOST_TIER_PAGES = 32  # device pages per MSA layer: what a step of 2 requests reads at most (2 x Hi 4 x top-4)
+
+
+@pytest.fixture(scope="module")
+def msa_host_tier(demo_model, concurrent_prompts):
+    """As msa, with the K/V of the MSA layers in host memory and a device tier of HOST_TIER_PAGES pages a layer
+    (--max-num-seqs 2): the concurrent prompts at once, then the first alone again (its pages from the prefix
+    cache, read through the tier). Returns those tokens and the metrics."""
+    with engine(
+        demo_model,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        max_num_seqs=2,
+        additional_config={"flash_msa_kv_device_pages": HOST_TIER_PAGES},
+        disable_log_stats=False,
+    ) as llm:
+        tokens = greedy(llm, concurrent_prompts) + greedy(llm, concurrent_prompts[:1])
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return tokens, metrics
+
+
+def test_the_host_tier_gives_the_tokens_of_the_kv_on_the_device(msa_tokens, msa_host_tier):
+    """Every request's tokens equal running it alone without the tier; the device tier both hit and missed (so pages
+    were evicted and copied in again), and the bytes copied are the misses' pages (fp32 K/V: 2 heads x 128 tokens x
+    2 x 32)."""
+    _, _, alone = msa_tokens
+    tokens, metrics = msa_host_tier
+    hits, misses = metrics["vllm:msa_kv_device_tier_hits"], metrics["vllm:msa_kv_device_tier_misses"]
+    print(f"\nhost tier: {hits:.0f} hits, {misses:.0f} misses ({hits / (hits + misses):.2f} hit rate)")
+    for i, (got, want) in enumerate(zip(tokens, alone + alone[:1])):
+        assert got == want, i
+    assert hits > 0 and misses > HOST_TIER_PAGES * 3  # more pages copied in than the 3 layers' tiers hold
+    assert metrics["vllm:msa_kv_host_to_device_bytes"] == misses * 2 * 128 * 2 * 32 * 4
+
+
 def twice_with_metrics(model_dir, prompts, **kwargs):
     """The batch twice (the second pass from the prefix cache), the tokens of each pass and the metrics."""
     with (
@@ -493,7 +530,7 @@ def greedy_with_cuda_graphs(model_dir, prompts, logprobs=None, **kwargs):
 
     params = SamplingParams(max_tokens=NGRAM_MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     with engine(
-        model_dir, dtype="bfloat16", enforce_eager=False, max_num_seqs=8, disable_log_stats=False, **kwargs
+        model_dir, dtype="bfloat16", enforce_eager=False, disable_log_stats=False, **({"max_num_seqs": 8} | kwargs)
     ) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         [graph_query_lens] = llm.collective_rpc(full_decode_graph_query_lens)
@@ -531,3 +568,33 @@ def test_ngram_verification_replays_full_cuda_graphs_and_keeps_the_greedy_tokens
             assert top[0] - top[1] < NEAR_TIE, (
                 f"prompt {p} step {step}: {list(got.token_ids)} vs {list(want.token_ids)}"
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_host_tier_on_a_gpu_replays_full_cuda_graphs_and_keeps_the_greedy_tokens(
+    repetitive_prompts, tmp_path, monkeypatch
+):
+    """The demo at MiniMax-M3's attention shapes in bf16 under CUDA graphs, with and without the host tier: its K/V
+    in pinned host memory (prefill reads it through vLLM's UVA view), a device tier of one request's pages a layer
+    (--max-num-seqs 1: Hi 4 x top-16 = 64 pages), so each prompt's pages evict the last one's, the misses copied in
+    by the CuTeDSL page copy. The same kernels read the same values: the same greedy tokens, decode steps replayed
+    from full CUDA graphs either way."""
+    from serve.build_demo_model import PRESETS, build_demo_model
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as in the n-gram test above
+    model = build_demo_model(tmp_path / "m3-attention-demo", **PRESETS["m3-attention"])
+    plain, plain_graphs, _ = greedy_with_cuda_graphs(model, repetitive_prompts, max_num_seqs=1, **PLAIN)
+    tier, tier_graphs, metrics = greedy_with_cuda_graphs(
+        model,
+        repetitive_prompts,
+        max_num_seqs=1,
+        additional_config={"flash_msa_kv_device_pages": 64},
+        **PLAIN,
+    )
+    hits, misses = metrics["vllm:msa_kv_device_tier_hits"], metrics["vllm:msa_kv_device_tier_misses"]
+    print(f"\nhost tier on the GPU: {hits:.0f} hits, {misses:.0f} misses ({hits / (hits + misses):.3f} hit rate)")
+    assert plain_graphs == tier_graphs == [1]
+    assert [o.token_ids for o in tier] == [o.token_ids for o in plain]
+    assert misses > 64 * 3  # the 3 MSA layers' tiers evicted pages and copied them in again

@@ -49,7 +49,7 @@ from msa_kernels import ops, reference
 from msa_kernels.fp8_index_keys import Fp8IndexKeyCache
 from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import SINGLE_TOKEN_DECODE_QUERY_LEN, MSAShape, PagedBatch
-from vllm_msa import compat
+from vllm_msa import compat, host_tier
 from vllm_msa.config import FP8_CACHE_DTYPES, SERVED_CACHE_DTYPES, MSAModelConfig, served_index_key_dtype
 from vllm_msa.observer import OBSERVER
 from vllm_msa.registration import BACKEND_NAME
@@ -233,9 +233,20 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
     ) -> None:
         """Store the step's K/V [T, Hkv, D] and index keys [T, Hki, Dp] at their cache slots (index_slots: the
         index-key cache's; an FP8 K/V cache with the layer's K/V scales, index keys quantised for an FP8 cache)."""
-        kv_cache = reference.kv_planes(kv_cache)
-        write_paged(kv_cache[:, 0], kv_cache[:, 1], attn_metadata.slot_mapping, key, value, layer)
+        self.write_kv(layer, key, value, kv_cache, attn_metadata.slot_mapping)
         self.kernels.write_index_keys(index_key_cache, index_slots, index_key)
+
+    def write_kv(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store K/V [T, Hkv, D] at the flat slots slot_mapping [T] (< 0: skipped) of a K/V cache in vLLM's layout."""
+        kv_cache = reference.kv_planes(kv_cache)
+        write_paged(kv_cache[:, 0], kv_cache[:, 1], slot_mapping, key, value, layer)
 
     def select(
         self,
@@ -270,6 +281,29 @@ class MSAImpl(AttentionImplBase[FlashMSAMetadata]):
             out=output[:n],
             kv_scales=layer_kv_scales(layer),
         )
+
+    def attend_through_host_tier(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        tier: host_tier.LayerHostTier,
+        attn_metadata: FlashMSAMetadata,
+        selected: torch.Tensor,
+        output: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """attend with the layer's K/V in its host tier: the prefill part on the host pages, the decode part on the
+        device tier once the pages it reads are there (host_tier.py). Returns the decode part's (hits, misses) []
+        int32, None for a step without one."""
+        n, plan = attn_metadata.num_actual_tokens, attn_metadata.plan
+        query, output, kv_scales = query[:n], output[:n], layer_kv_scales(layer)
+        host_kv, device_kv = host_tier.kv_planes(tier)
+        if (prefill := plan.part("prefill")) is not None:
+            self.kernels.attend_part(prefill, query, host_kv, selected, self.scale, output, kv_scales)
+        if plan.part("decode") is None:
+            return None
+        decode, hits, misses = tier.decode_part(plan, selected)
+        self.kernels.attend_part(decode, query, device_kv, selected, self.scale, output, kv_scales)
+        return hits, misses
 
 
 def log_msa_layers(model: str, msa: MSAModelConfig, hf_config, vllm_config) -> None:

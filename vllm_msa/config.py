@@ -50,6 +50,7 @@ SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
 # (tests/test_kv_connector.py); any other stops `vllm serve` unless named in UNVERIFIED_KV_CONNECTORS_ENV.
 VERIFIED_KV_CONNECTORS = ("ExampleConnector",)
 UNVERIFIED_KV_CONNECTORS_ENV = "FLASH_MSA_UNVERIFIED_KV_CONNECTORS"  # comma-separated names, accepted with a warning
+KV_DEVICE_PAGES_OPTION = "flash_msa_kv_device_pages"  # --additional-config key: the host tier's device pages a layer
 
 
 def _is_int(value) -> bool:
@@ -280,9 +281,10 @@ def check_serving_config(vllm_config: "VllmConfig") -> None:
     hf_config = vllm_config.model_config.hf_config
     msa = MSAModelConfig.from_hf_config(hf_config)
     _check_cache(vllm_config, msa)
-    msa.rank_layout(hf_config, vllm_config.parallel_config.tensor_parallel_size)
+    layout = msa.rank_layout(hf_config, vllm_config.parallel_config.tensor_parallel_size)
     if msa.sparse_layers(hf_config.num_hidden_layers):  # else no index-key caches (a dense baseline)
         _check_kv_connectors(vllm_config)
+        check_kv_device_pages(vllm_config, layout.shape)
 
 
 def check_minimax_m3_serving_config(vllm_config: "VllmConfig") -> None:
@@ -296,8 +298,9 @@ def check_minimax_m3_serving_config(vllm_config: "VllmConfig") -> None:
     text_config = vllm_config.model_config.hf_text_config
     msa = MSAModelConfig.from_minimax_m3(text_config)
     _check_cache(vllm_config, msa)
-    msa.rank_layout(text_config, vllm_config.parallel_config.tensor_parallel_size)
+    layout = msa.rank_layout(text_config, vllm_config.parallel_config.tensor_parallel_size)
     _check_kv_connectors(vllm_config)
+    check_kv_device_pages(vllm_config, layout.shape)
 
 
 def _check_cache(vllm_config: "VllmConfig", msa: MSAModelConfig) -> None:
@@ -375,4 +378,38 @@ def _check_kv_connectors(vllm_config: "VllmConfig") -> None:
             "the K/V's KV cache group), and a connector that moves the K/V without them makes long prompts select "
             f"the wrong blocks, silently. Verified: {', '.join(VERIFIED_KV_CONNECTORS)}. To run {connector} anyway "
             f"(and check its answers), set {UNVERIFIED_KV_CONNECTORS_ENV}={connector}"
+        )
+
+
+def kv_device_pages(vllm_config: "VllmConfig") -> int | None:
+    """The host tier's device pages per MSA layer (--additional-config '{"flash_msa_kv_device_pages": N}'), None
+    without the tier (vllm_msa/host_tier.py)."""
+    additional = vllm_config.additional_config
+    return additional.get(KV_DEVICE_PAGES_OPTION) if isinstance(additional, dict) else None
+
+
+def check_kv_device_pages(vllm_config: "VllmConfig", shape: MSAShape) -> None:
+    """Refuse a host tier FLASH_MSA cannot serve: N not a positive integer, fewer device pages than one decode step of
+    --max-num-seqs requests can read (requests x index heads x top-k: a step's every page must fit), and what does
+    not run with the tier yet (speculative decoding, KV connectors)."""
+    pages = kv_device_pages(vllm_config)
+    if pages is None:
+        return
+    option = f"--additional-config '{{\"{KV_DEVICE_PAGES_OPTION}\": N}}'"
+    if not _is_int(pages) or pages < 1:
+        raise MSAConfigError(f"{option}: N is the device pages of each MSA layer, a positive integer, not {pages!r}")
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    step_pages = max_num_seqs * shape.num_index_heads * shape.topk_blocks
+    if pages < step_pages:
+        raise MSAConfigError(
+            f"{option}: {pages} device pages cannot hold one decode step's pages: --max-num-seqs {max_num_seqs} "
+            f"requests x {shape.num_index_heads} index heads x top-{shape.topk_blocks} = {step_pages}; give N >= "
+            f"{step_pages} or a smaller --max-num-seqs"
+        )
+    if vllm_config.speculative_config is not None:
+        raise MSAConfigError(f"{option}: FLASH_MSA's host tier does not run speculative decoding yet; leave one out")
+    if connectors := kv_connectors(vllm_config):
+        raise MSAConfigError(
+            f"{option}: FLASH_MSA's host tier does not run KV connectors yet ({', '.join(n for n, _ in connectors)}); "
+            "leave one out"
         )

@@ -3,7 +3,8 @@
 It owns the layer's paged K/V cache (a FullAttentionSpec, registered with vLLM like any attention
 layer; an FP8 one written with the checkpoint's per-tensor K/V scales, as vLLM's attention layers load
 them, or 1.0 where it has none, said at start-up, its saturated values counted by the observer) and its
-index-key side cache (in the format indexer_kv_dtype names: config.py), and runs its
+index-key side cache (in the format indexer_kv_dtype names: config.py), or with the host tier (host_tier.py) a
+placeholder vLLM budgets, its K/V in host memory and a device tier of the pages decode steps read, and runs its
 MSAImpl (backend.py) behind one opaque custom op (`torch.ops.vllm_msa.msa_attention`), so
 torch.compile traces the model around it (and vLLM splits its piecewise CUDA graphs there; breakable
 graphs break there). Each call runs the impl's three stages (cache writes, block selection, sparse
@@ -27,7 +28,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from msa_kernels.shapes import MSAShape
 from vllm_msa import compat
 from vllm_msa.backend import FlashMSABackend, FlashMSAMetadata, MSAImpl, layer_kv_scales
-from vllm_msa.config import FP8_CACHE_DTYPES, MSAConfigError, RankLayout
+from vllm_msa.config import FP8_CACHE_DTYPES, MSAConfigError, RankLayout, kv_device_pages
+from vllm_msa.host_tier import LayerHostTier, resident_kv_spec
 from vllm_msa.index_key_cache import IndexKeyCache, IndexKeyMetadata
 from vllm_msa.observer import OBSERVER
 
@@ -66,12 +68,27 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         self.index_key_cache = IndexKeyCache(
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
+        self.kv_device_pages = kv_device_pages(vllm_config)  # the host tier's device pages; None: no tier
+        self.host_tier: LayerHostTier | None = None  # allocated when vLLM binds the tier's placeholder cache
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         # True where the model's own pre-attention op stores the step's K/V and index keys (MiniMax-M3's fused
         # norm/RoPE op, models/minimax_m3.py); the layer then writes neither.
         self.caches_written_by_model = False
         compat.register_attention_layer(prefix, self)
         OBSERVER.register(prefix, layout)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The K/V cache vLLM bound (with the host tier: its placeholder; the K/V are in host_tier)."""
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        self._kv_cache = cache
+        if self.kv_device_pages is not None and cache.numel():
+            self.host_tier = LayerHostTier.allocate(
+                cache.shape[0], self.kv_device_pages, self.shape, self.kv_cache_torch_dtype, cache.device
+            )
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return FlashMSABackend
@@ -100,6 +117,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
                 f"FLASH_MSA keeps one MSA block per KV page: serve this model with --block-size "
                 f"{self.shape.block_size} (its msa_config.block_size), not {block_size}"
             )
+        if self.kv_device_pages is not None:
+            return resident_kv_spec(self.shape, self.kv_cache_torch_dtype)
         return kv_cache_spec(self.shape, self.kv_cache_torch_dtype)
 
     def forward(
@@ -123,7 +142,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         if not isinstance(attn_metadata, dict):  # memory-profiling run: caches are not bound yet
             output.zero_()
             return
-        s, impl = self.shape, self.impl
+        s, impl, tier = self.shape, self.impl, self.host_tier
+        kv_cache = self.kv_cache if tier is None else tier.host_view
         metadata = cast(FlashMSAMetadata, attn_metadata[self.layer_name])
         index_slots = cast(IndexKeyMetadata, attn_metadata[self.index_key_cache.prefix]).slot_mapping
         index_key_cache = self.index_key_cache.pages()
@@ -135,11 +155,13 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
                 key,
                 value,
                 index_k.view(-1, s.num_index_key_heads, s.index_head_dim),
-                self.kv_cache,
+                kv_cache,
                 index_key_cache,
                 metadata,
                 index_slots,
             )
+            if tier is not None:  # and to the pages' copies in the device tier
+                impl.write_kv(self, key, value, tier.device_pages, tier.device_slots(metadata.slot_mapping))
         if self.fp8_kv:
             OBSERVER.count_saturated(key, value, metadata, layer_kv_scales(self))
         if clock is not None:
@@ -147,14 +169,11 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
         selected = impl.select(index_q.view(-1, s.num_index_heads, s.index_head_dim), index_key_cache, metadata)
         if clock is not None:
             clock.mark()  # the attention starts
-        impl.attend(
-            self,
-            q.view(-1, s.num_q_heads, s.head_dim),
-            self.kv_cache,
-            metadata,
-            selected,
-            output.view(-1, s.num_q_heads, s.head_dim),
-        )
+        query, out = q.view(-1, s.num_q_heads, s.head_dim), output.view(-1, s.num_q_heads, s.head_dim)
+        if tier is None:
+            impl.attend(self, query, self.kv_cache, metadata, selected, out)
+        elif (counts := impl.attend_through_host_tier(self, query, tier, metadata, selected, out)) is not None:
+            OBSERVER.count_host_tier(*counts, tier.page_bytes)
         OBSERVER.layer_done(self.layer_name, selected, metadata, clock)
 
 

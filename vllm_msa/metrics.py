@@ -17,6 +17,9 @@ memory-mapped file there; the collector sums the files of live workers when /met
     vllm:msa_read_fraction             histogram, per selection: read tokens / context tokens
     vllm:msa_kv_saturated_total        K/V values of prompt tokens past an FP8 K/V cache's range (stored
                                        saturated at +-448 x scale; the worker warns once when it first rises)
+    vllm:msa_kv_device_tier_hits_total    with the host tier (host_tier.py): K/V pages decode steps read from
+    vllm:msa_kv_device_tier_misses_total  the device tier, and those copied in from host memory, per layer
+    vllm:msa_kv_host_to_device_bytes_total  bytes of those copies
     vllm:msa_timed_layer_calls_total   MSA layer calls timed (one in SAMPLE_EVERY, eager calls only)
     vllm:msa_selection_seconds_total   their index scores + top-k time
     vllm:msa_attention_seconds_total   their sparse attention time
@@ -34,7 +37,7 @@ head, whatever the scores), on its device and without a host sync, so a CUDA gra
 (its padding tokens count nothing); on a 2-core CPU 0.23 ms for an 8-token decode step, 0.5 ms for a 2048-token
 chunk. With an FP8 K/V cache, each MSA layer call of a step with prompt tokens adds five ops counting its
 saturated K/V values (never in a decode-only step): 0.28 ms for a 2048-token chunk of the demo's K/V on that
-CPU (results/README.md, "Cost of the sparse-layer metrics"). Then, once per step, the 15 device totals and 3 timing
+CPU (results/README.md, "Cost of the sparse-layer metrics"). Then, once per step, the 18 device totals and 3 timing
 totals (float64) are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory
 that reaches the file one step later, once its event has completed. Steps that replay a full CUDA graph
 run no Python: their totals are published from the next step's metadata build.
@@ -72,6 +75,11 @@ COUNTERS = {
     "vllm:msa_context_tokens_total: fraction of context read.",
     "kv_saturated": "K/V values of prompt tokens that MSA layers wrote past an FP8 K/V cache's range (|value| > 448 x "
     "the layer's scale), stored as +-448 x scale (steps of decodes only are not counted).",
+    "kv_device_tier_hits": "K/V pages decode steps of MSA layers read from their host tier's device pages "
+    "(--additional-config flash_msa_kv_device_pages), per layer; divided by it plus "
+    "vllm:msa_kv_device_tier_misses_total: the hit rate.",
+    "kv_device_tier_misses": "K/V pages decode steps of MSA layers copied into their device tier from host memory.",
+    "kv_host_to_device_bytes": "Bytes of those copies (misses x page bytes).",
 }
 SELECTION_COUNTERS = 5  # the first COUNTERS, which record() adds; kv_saturated: count_saturated()
 TIMING = {
@@ -176,6 +184,13 @@ class StepStats:
         k_scale, v_scale = kv_scales
         saturated = (key.abs() > E4M3_MAX * k_scale).sum() + (value.abs() > E4M3_MAX * v_scale).sum()
         self.totals[COUNTERS_INDEX["kv_saturated"]] += saturated
+
+    def count_host_tier(self, hits: torch.Tensor, misses: torch.Tensor, page_bytes: int) -> None:
+        """Add a layer call's device-tier hits and misses ([] int32 on the device) and the bytes its misses copied."""
+        first = COUNTERS_INDEX["kv_device_tier_hits"]
+        counts = torch.stack([hits, misses]).double()
+        self.totals[first : first + 2] += counts
+        self.totals[first + 2] += counts[1] * page_bytes
 
     def publish(self) -> None:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):

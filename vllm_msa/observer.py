@@ -66,6 +66,12 @@ class StepObserver:
         start, stop = plan.num_decode_tokens, metadata.num_actual_tokens
         self.stats.count_saturated(key[start:stop], value[start:stop], kv_scales)
 
+    def count_host_tier(self, hits: torch.Tensor, misses: torch.Tensor, page_bytes: int) -> None:
+        """A layer call's decode part read hits pages from its device tier and copied misses pages of page_bytes
+        in from host memory ([] int32 each, on the device: host_tier.py)."""
+        assert self.stats is not None, "a layer call counts after its stage_clock"
+        self.stats.count_host_tier(hits, misses, page_bytes)
+
     def layer_done(
         self,
         layer_name: str,

@@ -12,7 +12,8 @@ requests is one copy for all of them. Per decode step, after top-k:
         --resolve(cache, host_block_table)--> Resolution: the block table the sparse attention reads (block -> the
                   device page holding its host page, for the step's blocks only), the host pages to copy in and the
                   device pages they fill
-        --copy_pages--> the device pages hold every page the step reads; sparse attention runs unchanged
+        --copy_pages(copy_from, copy_to)--> the device pages hold every page the step reads; sparse attention runs
+                  unchanged on them
 
 and every K/V write goes to its host page and, where a device page holds a copy of that page, to the copy too
 (PageCache.device_slots: the write-through slots), so a copy never goes stale: not when the step's token lands in
@@ -21,7 +22,8 @@ its own block (read every step), nor when a freed page is written by the request
 The sparse attention reads only the selected blocks' pages (msa_kernels.reference.sparse_attention, the CuTeDSL
 kernels), so the resolved block table is the only change it sees. resolve and device_slots are torch ops on the
 device without a host sync or data-dependent shapes; copy_pages here is the reference (it indexes by a mask, which
-syncs a GPU's host).
+syncs a GPU's host), msa_kernels.cute.page_copy the kernel (msa_kernels.ops.page_copier chooses). vllm_msa/host_tier.py
+serves it.
 """
 
 from dataclasses import dataclass
@@ -39,12 +41,14 @@ class PageCache:
     pages [P] int32: the device page of each slot (fixed);
     held [P] int32: the host page each slot holds a copy of, -1 = none;
     last_used [P] int64: the step that last read each slot, -1 = never;
-    slot_of [H] int32: the slot holding each of the H host pages, -1 = none (what lookups and writes read)."""
+    slot_of [H] int32: the slot holding each of the H host pages, -1 = none (what lookups and writes read);
+    clock [1] int64: the steps resolved so far (on the device: resolve counts without a host sync)."""
 
     pages: torch.Tensor
     held: torch.Tensor
     last_used: torch.Tensor
     slot_of: torch.Tensor
+    clock: torch.Tensor
 
     @classmethod
     def empty(
@@ -57,6 +61,7 @@ class PageCache:
             torch.full_like(pages, -1),
             torch.full((num_pages,), _NEVER, dtype=torch.int64, device=device),
             torch.full((num_host_pages,), -1, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
         )
 
     @property
@@ -108,12 +113,12 @@ def step_blocks(selected: torch.Tensor) -> torch.Tensor:
     return _unique_rows(selected.flatten(1)).to(torch.int32)
 
 
-def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tensor, step: int) -> Resolution:
+def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tensor) -> Resolution:
     """Give every block of the step (blocks [R, N] from step_blocks) the device page holding a copy of its host page
     (host_block_table [R, max_blocks]): a page already held keeps its device page (a hit); a page held nowhere takes
     the least recently used slot the step does not read (empty slots first) and is to be copied in. Updates the
-    cache in place (the pages held, their last use: `step`). Needs num_pages >= R x N, so every miss finds a slot
-    whatever the step reads."""
+    cache in place (the pages held, their last use: the step's number, cache.clock, then counted). Needs num_pages >=
+    R x N, so every miss finds a slot whatever the step reads. Torch ops of fixed shapes: no host sync."""
     rows, width = blocks.shape
     if cache.num_pages < rows * width:
         raise ValueError(
@@ -145,10 +150,11 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
     held = torch.cat([cache.held, cache.held.new_full((1,), -1)])
     held.scatter_(0, target, wanted.to(held.dtype))
     last_used = torch.cat([cache.last_used, cache.last_used.new_full((1,), _NEVER)])
-    last_used.scatter_(0, target, step)
+    last_used.scatter_(0, target, cache.clock.expand(target.shape[0]))
     cache.slot_of.copy_(slot_of[:host_sink])
     cache.held.copy_(held[:num_pages])
     cache.last_used.copy_(last_used[:num_pages])
+    cache.clock.add_(1)
     # Each row's blocks to the device page now holding their host page.
     device_page = cache.pages[cache.slot_of[host_page.clamp(min=0).long()].clamp(min=0).long()]
     max_blocks = host_block_table.shape[1]
@@ -163,9 +169,12 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
     )
 
 
-def copy_pages(host_kv: torch.Tensor, device_kv: torch.Tensor, resolution: Resolution) -> None:
-    """Copy the missing pages' K/V (host_kv [host pages, ...]) into their device pages (device_kv [device pages,
-    ...]), the reference: it selects the copies by a mask, a host sync on a GPU."""
-    missing = resolution.copy_from >= 0
-    source = resolution.copy_from[missing].long().to(host_kv.device)
-    device_kv[resolution.copy_to[missing].long()] = host_kv[source].to(device_kv.device, non_blocking=True)
+def copy_pages(
+    host_pages: torch.Tensor, device_pages: torch.Tensor, copy_from: torch.Tensor, copy_to: torch.Tensor
+) -> None:
+    """Copy the missed pages (host_pages[copy_from[n]], host_pages [host pages, ...]) into their device pages
+    (device_pages[copy_to[n]]; copy_from / copy_to [N] int32 from a Resolution, -1 = nothing to copy), the
+    reference: it selects the copies by a mask, a host sync on a GPU (msa_kernels.ops.page_copier chooses)."""
+    missing = copy_from >= 0
+    source = copy_from[missing].long().to(host_pages.device)
+    device_pages[copy_to[missing].long()] = host_pages[source].to(device_pages.device, non_blocking=True)

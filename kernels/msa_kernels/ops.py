@@ -202,11 +202,25 @@ class Kernels:
             return reference.sparse_attention(
                 q, kv_cache, plan.batch, selected, shape, scale, out=result, kv_scales=kv_scales
             )
-        key = (self, "attention", selected.shape[-1], reference.is_fp8_kv(kv_cache))
         for part in plan.parts:
-            attend = part.workspace.launch(key, self._bind_attention, part, *key[2:])
-            attend(part.of(q), kv_cache, part.of(selected), scale, part.of(result), kv_scales)
+            self.attend_part(part, q, kv_cache, selected, scale, result, kv_scales)
         return result
+
+    def attend_part(
+        self,
+        part: PlanPart,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        selected: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        kv_scales: tuple[float, float],
+    ) -> None:
+        """sparse_attention of one part of a step (its rows of q, selected and out [step tokens, ...]) on a contiguous
+        K/V cache: the host tier attends a step's parts on caches of their own (vllm_msa/host_tier.py)."""
+        key = (self, "attention", selected.shape[-1], reference.is_fp8_kv(kv_cache))
+        attend = part.workspace.launch(key, self._bind_attention, part, *key[2:])
+        attend(part.of(q), kv_cache, part.of(selected), scale, part.of(out), kv_scales)
 
     def _bind_attention(self, part: PlanPart, topk: int, fp8_kv: bool) -> Callable[..., torch.Tensor]:
         return self.steps(part.phase).bind_attention(part.batch, self.shape, topk, fp8_kv, part.workspace)
@@ -317,6 +331,18 @@ def _index_key_writer(
         if index_key_write.IndexKeyWriteKernel.can_implement(dtype, shape.index_head_dim, fp8):
             return index_key_write.write_index_keys
     return reference.write_index_keys
+
+
+def page_copier(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """What copies a host tier's missed pages into its device pages (msa_kernels.host_tier.copy_pages' contract) on
+    this device: the CuTeDSL kernel on Hopper (no host sync: only the pages missed cross PCIe), else the reference."""
+    if _on_hopper(device):
+        from msa_kernels.cute import page_copy
+
+        return page_copy.copy_pages
+    from msa_kernels import host_tier
+
+    return host_tier.copy_pages
 
 
 def write_index_keys(

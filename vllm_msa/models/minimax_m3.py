@@ -104,7 +104,10 @@ class FlashMSAMiniMaxM3Attention(nn.Module):
         self.attn = MSAAttention(
             layout, shape.head_dim**-0.5, cache_config, f"{prefix}.attn", index_key_dtype, quant_config
         )
-        self.attn.caches_written_by_model = m3_fused_op_writes_caches(self.attn.kv_cache_dtype, index_key_dtype)
+        # Not with the host tier: the layer writes its K/V to host pages and their device copies (host_tier.py).
+        self.attn.caches_written_by_model = self.attn.kv_device_pages is None and m3_fused_op_writes_caches(
+            self.attn.kv_cache_dtype, index_key_dtype
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         s = self.shape

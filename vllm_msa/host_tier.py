@@ -1,0 +1,124 @@
+"""FLASH_MSA's host tier for K/V: each MSA layer's K/V pages in host memory, the pages its decode steps read copied
+into a device tier of N pages (`--additional-config '{"flash_msa_kv_device_pages": N}'`; off without it).
+
+An MSA decode step reads every block's index keys but the K/V of at most Hi x K blocks per request, and the next
+step reads mostly the same ones (results/README.md, "Selection reuse across decode steps"). With the tier:
+- vLLM budgets and allocates each MSA layer's K/V as a placeholder page of a few bytes (resident_kv_spec), so its
+  GPU memory goes to index keys, dense layers and more pages; the index-key caches stay on the GPU, in the same KV
+  cache group, so vLLM's block table, prefix cache and preemption work as without the tier.
+- When vLLM binds the placeholder, the layer allocates its LayerHostTier: the K/V of all vLLM's pages in host memory
+  (pinned on a GPU host, written and read by the kernels through its device view: vLLM's UVA view of pinned memory)
+  and the device tier, N pages on the model's device, with a PageCache (msa_kernels.host_tier) saying which host
+  page each holds, least recently used out.
+- A step's K/V writes go to the host pages and, where a device page holds a copy of the page, to the copy too.
+  The prefill part's attention reads the host pages (prefill reads whole prompts once). The decode part's
+  selection is resolved to device pages (resolve: hits keep their page, misses take the least recently used),
+  the missed pages copied in (msa_kernels.ops.page_copier: only those cross PCIe), and the decode attention runs
+  unchanged on the device pages with the resolved block table.
+
+Every kernel reads the same values as without the tier, so the tokens are the same (tests/test_host_tier_serving.py).
+Counted in /metrics: vllm:msa_kv_device_tier_hits_total, _misses_total, vllm:msa_kv_host_to_device_bytes_total.
+Not with the tier (config.check_host_tier refuses them by name): speculative decoding, KV connectors; decode steps
+run eagerly (no full CUDA graphs: the tier's plan part is made per step).
+"""
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from msa_kernels import ops, reference
+from msa_kernels.host_tier import PageCache, resolve, step_blocks
+from msa_kernels.plan import PlanPart, StepPlan, Workspace
+from msa_kernels.shapes import MSAShape, PagedBatch
+from vllm_msa import compat
+from vllm_msa.config import MSAConfigError
+
+HOST_MEMORY_SHARE = 0.9  # of the host memory available when the tier allocates: the most its pages may take
+
+
+def resident_kv_spec(shape: MSAShape, dtype: torch.dtype) -> KVCacheSpec:
+    """What vLLM budgets for an MSA layer's K/V with the host tier: one head of 8 elements a token (a placeholder
+    page of B x 16 elements: its pages count in vLLM's block table, the K/V live in host memory)."""
+    return FullAttentionSpec(block_size=shape.block_size, num_kv_heads=1, head_size=8, head_size_v=8, dtype=dtype)
+
+
+def page_shape(shape: MSAShape) -> tuple[int, int, int]:
+    """A K/V page as vLLM's FlashAttention layout holds it: [Hkv, B, 2 * D] (reference.kv_planes views it)."""
+    return shape.num_kv_heads, shape.block_size, 2 * shape.head_dim
+
+
+@dataclass
+class LayerHostTier:
+    """One MSA layer's K/V: host_pages [vLLM's pages, Hkv, B, 2D] in host memory (pinned on a GPU host), host_view
+    the tensor the kernels read and write them through (its device view on a GPU, itself on CPU), device_pages
+    [N, Hkv, B, 2D] on the model's device and cache, the PageCache of which host page each holds."""
+
+    host_pages: torch.Tensor
+    host_view: torch.Tensor
+    device_pages: torch.Tensor
+    cache: PageCache
+
+    @classmethod
+    def allocate(
+        cls, num_pages: int, num_device_pages: int, shape: MSAShape, dtype: torch.dtype, device: torch.device
+    ) -> "LayerHostTier":
+        """The tier of a layer whose placeholder cache vLLM bound with num_pages pages."""
+        page = page_shape(shape)
+        page_bytes = torch.Size(page).numel() * dtype.itemsize
+        available = psutil.virtual_memory().available
+        if num_pages * page_bytes > HOST_MEMORY_SHARE * available:
+            fits = int(HOST_MEMORY_SHARE * available // page_bytes)
+            raise MSAConfigError(
+                f"FLASH_MSA's host tier: this MSA layer's K/V would take {num_pages} pages x {page_bytes} bytes "
+                f"of host memory, past {HOST_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available: serve "
+                f"with --num-gpu-blocks-override at most {fits} divided by the number of MSA layers (vLLM sizes its "
+                "pages by GPU memory, and with the tier an MSA layer's page takes almost none of it)"
+            )
+        pinned = device.type == "cuda"
+        host_pages = torch.empty((num_pages, *page), dtype=dtype, pin_memory=pinned)
+        host_view = compat.device_view_of_host_tensor(host_pages) if pinned else host_pages
+        device_pages = torch.empty((num_device_pages, *page), dtype=dtype, device=device)
+        return cls(host_pages, host_view, device_pages, PageCache.empty(num_device_pages, num_pages, device))
+
+    @property
+    def page_bytes(self) -> int:
+        return self.host_pages[0].numel() * self.host_pages.element_size()
+
+    def device_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The device-tier slots [T] the K/V written at host slots slot_mapping [T] also go to (-1: none)."""
+        return self.cache.device_slots(slot_mapping, self.host_pages.shape[2])
+
+    def decode_part(self, plan: StepPlan, selected: torch.Tensor) -> tuple[PlanPart, torch.Tensor, torch.Tensor]:
+        """Bring the pages the step's decode part reads (selected: the step's [T, Hi, K]) into the device tier: the
+        part to attend on the device pages (its block table: the device page of each block the step reads), and
+        the step's (hits, misses) [] int32 of this layer."""
+        decode = plan.part("decode")
+        assert decode is not None, "a step without decode tokens reads no device page"
+        resolution = resolve(self.cache, step_blocks(decode.of(selected)), decode.batch.block_table)
+        ops.page_copier(self.device_pages.device)(
+            self.host_view, self.device_pages, resolution.copy_from, resolution.copy_to
+        )
+        part = plan.workspace.launch("device tier part", _device_tier_part, decode)
+        part.batch.block_table.copy_(resolution.block_table)
+        return part, resolution.hits, resolution.misses
+
+
+def _device_tier_part(decode: PlanPart) -> PlanPart:
+    """The decode part of a step as the device tier serves it: its requests and rows, a block table of its own that
+    each layer fills with its resolved device pages, a workspace of its own (its launches bind that table)."""
+    batch = decode.batch
+    device_batch = PagedBatch(
+        batch.query_start_loc,
+        batch.seq_lens,
+        torch.empty_like(batch.block_table),
+        "decode",
+        batch.query_start_loc_cpu,
+    )
+    return PlanPart(device_batch, decode.rows, Workspace(batch.block_table.device))
+
+
+def kv_planes(tier: LayerHostTier) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) K/V planes as the kernels take them (reference.kv_planes)."""
+    return reference.kv_planes(tier.host_view), reference.kv_planes(tier.device_pages)
