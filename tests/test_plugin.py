@@ -230,6 +230,38 @@ def test_kv_connectors_not_verified_with_index_key_caches_are_refused_by_name(mo
 
 
 @pytest.mark.parametrize(
+    "pages, spec, connector, refused",
+    [
+        (None, None, None, None),  # no tier: nothing checked
+        (64, None, None, None),  # 4 requests x Hi 4 x top-4
+        (0, None, None, "N is the device pages of each MSA layer, a positive integer, not 0"),
+        ("64", None, None, "a positive integer, not '64'"),
+        (63, None, None, r"63 device pages cannot hold one decode step's pages: --max-num-seqs 4 requests x 4 index"),
+        (64, {"method": "ngram"}, None, "does not run speculative decoding yet"),
+        (64, None, "ExampleConnector", r"does not run KV connectors yet \(ExampleConnector\)"),
+    ],
+)
+def test_a_host_tier_flash_msa_cannot_serve_is_refused_by_name(pages, spec, connector, refused):
+    from vllm.config import KVTransferConfig
+
+    from vllm_msa.config import KV_DEVICE_PAGES_OPTION, check_kv_device_pages
+
+    shape = MSAModelConfig.from_hf_config(_HF(msa_config=MSA)).layer_shape(_HF(msa_config=MSA))
+    vllm_config = SimpleNamespace(
+        additional_config={} if pages is None else {KV_DEVICE_PAGES_OPTION: pages},
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        speculative_config=spec,
+        kv_transfer_config=connector and KVTransferConfig(kv_role="kv_both", kv_connector=connector),
+        cache_config=SimpleNamespace(kv_offloading_size=None),
+    )
+    if refused is None:
+        check_kv_device_pages(vllm_config, shape)
+        return
+    with pytest.raises(MSAConfigError, match=refused):
+        check_kv_device_pages(vllm_config, shape)
+
+
+@pytest.mark.parametrize(
     "capability, importable, reason",
     [
         ((8, 0), True, "the CuTeDSL kernels run on Hopper GPUs \\(compute capability 9.0\\), this GPU is 8.0"),

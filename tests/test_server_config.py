@@ -34,6 +34,10 @@ BAD_CONFIGS = {
         ["--kv-offloading-size", "1"],
         "--kv-offloading-size runs KV connector OffloadingConnector, which is not verified to carry FLASH_MSA's caches",
     ),
+    "a host tier smaller than one decode step's pages": (
+        ["--max-num-seqs", "4", "--additional-config", json.dumps({"flash_msa_kv_device_pages": 8})],
+        "8 device pages cannot hold one decode step's pages: --max-num-seqs 4 requests x 4 index heads x top-4 = 64",
+    ),
     "FlashMSAForCausalLM without msa_config": (
         ["--hf-overrides", json.dumps({"msa_config": None})],
         "this checkpoint has no 'msa_config' in config.json",

@@ -10,6 +10,7 @@ the supported versions it stops there, naming them (compat.check_vllm_version).
                     scores + top-k + sparse attention)
     index_key_cache paged index-key side cache
     layer           MSAAttention: one MSA layer's caches and custom op
+    host_tier       option: an MSA layer's K/V in host memory, the pages decode steps read in a device tier
     observer        the one hook on MSA layer calls: feeds the metrics and the selection log
     metrics         Prometheus metrics of the sparse layers, worker -> API server /metrics
     selection_log   debug option: log the selected blocks of a marked request

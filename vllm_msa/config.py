@@ -18,7 +18,8 @@ check_serving_config() runs in vLLM's API server process while it builds its con
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
 serve stops `vllm serve` before any engine process starts, with a message naming the fix. That
 includes a KV connector (--kv-transfer-config, --kv-offloading-size) no test has shown to carry the
-index-key caches with the K/V (VERIFIED_KV_CONNECTORS).
+index-key caches with the K/V (VERIFIED_KV_CONNECTORS), and a host tier (--additional-config
+flash_msa_kv_device_pages: host_tier.py) too small for one decode step or beside what it does not run with.
 """
 
 import os
