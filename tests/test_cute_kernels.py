@@ -663,12 +663,12 @@ def test_page_copy_kernel_copies_the_missed_pages_from_pinned_host_memory_also_r
     from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
     host_count, device_count, entries = 40, 12, 10
-    elements = page_words * 4 // dtype.itemsize
+    page_bytes = page_words * 4
     generator = torch.Generator().manual_seed(page_words)
-    host = torch.randint(0, 256, (host_count, elements), dtype=torch.uint8, generator=generator).view(dtype)
+    host = torch.randint(0, 256, (host_count, page_bytes), dtype=torch.uint8, generator=generator).view(dtype)
     host = host.pin_memory()
     host_view = get_accelerator_view_from_cpu_tensor(host)
-    device = torch.randint(0, 256, (device_count, elements), dtype=torch.uint8, device="cuda").view(dtype)
+    device = torch.randint(0, 256, (device_count, page_bytes), dtype=torch.uint8, device="cuda").view(dtype)
 
     def random_list():
         copy_from = torch.randperm(host_count, generator=generator)[:entries].int()

@@ -207,6 +207,7 @@ def serving_config(text_config, backend, block_size=None, tensor_parallel_size=1
         parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size),
         attention_config=AttentionConfig(backend=backend, indexer_kv_dtype=indexer_kv_dtype),
         kv_transfer_config=None,  # no KV connector (VllmConfig's default)
+        additional_config={},  # no host tier (VllmConfig's default)
     )
 
 
