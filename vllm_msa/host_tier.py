@@ -18,8 +18,9 @@ step reads mostly the same ones (results/README.md, "Selection reuse across deco
 
 Every kernel reads the same values as without the tier, so the tokens are the same (tests/test_host_tier_serving.py).
 Counted in /metrics: vllm:msa_kv_device_tier_hits_total, _misses_total, vllm:msa_kv_host_to_device_bytes_total.
-Not with the tier (config.check_host_tier refuses them by name): speculative decoding, KV connectors; decode steps
-run eagerly (no full CUDA graphs: the tier's plan part is made per step).
+Not with the tier (config.check_kv_device_pages refuses them by name): speculative decoding, KV connectors. A decode
+step through the tier has no host sync and no data-dependent shapes (resolve's torch ops, the page copy kernel, the
+tier's block table made in the step's workspace), so decode batches keep their full CUDA graphs.
 """
 
 from dataclasses import dataclass
