@@ -122,7 +122,6 @@ def write_paged_cuda(
     vllm_ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, cache_dtype, k_scale, v_scale)
 
 
-@functools.cache
 def device_view_of_host_tensor(host: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor reading and writing the pinned host tensor's memory in place (vLLM's UVA view): the host tier's
     K/V pages as the kernels take them."""
@@ -131,6 +130,7 @@ def device_view_of_host_tensor(host: torch.Tensor) -> torch.Tensor:
     return get_accelerator_view_from_cpu_tensor(host)
 
 
+@functools.cache
 def unit_scale(device: torch.device) -> torch.Tensor:
     """A float32 scale of 1 on the device, as vLLM's cache and FP8 ops take scales."""
     return torch.ones(1, dtype=torch.float32, device=device)
