@@ -169,3 +169,12 @@ def test_the_device_tier_keeps_the_least_recently_used_policy():
 def test_a_device_tier_smaller_than_a_steps_blocks_is_refused():
     with pytest.raises(ValueError, match="cannot hold a step's 2 x 8 blocks"):
         resolve(PageCache.empty(15, 4), torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32))
+
+
+def test_the_host_tier_benchmark_misses_what_it_says_on_cpu(capsys):
+    """bench/bench_host_tier.py's set-up: every call of its rotation misses exactly --misses pages a request (it
+    asserts the tier's own counts), so its GPU table times what it names."""
+    from bench import bench_host_tier
+
+    bench_host_tier.main(["--device", "cpu", "--contexts", "28672", "--batches", "1", "3", "--misses", "0", "5", "16"])
+    assert capsys.readouterr().out.count("the tier's counts check out") == 6
