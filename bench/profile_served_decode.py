@@ -6,9 +6,11 @@
 Builds vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the profiler sees its GPU work) from the
 same flags `vllm serve` takes, adds --batch requests of --context random prompt tokens (greedy, ignoring EOS), steps
 the engine until every request has its first token (the prefills) and 4 decode steps more (warm-up), then profiles
---steps decode steps with torch.profiler. Printed: wall time per step (what a token's ITL is made of), the GPU time
-per step summed over kernels and the kernel count per step (and of them PyTorch's own, at::native, kernels: the small
-tensor ops between the fused ones), then the --top kernels by GPU time per step, with their launches per step.
+--steps decode steps with torch.profiler. Printed: wall time per step (what a token's ITL is made of; each step
+synchronised, so its host work and its GPU work add up), the GPU time per step summed over kernels and the kernel
+count per step (and of them PyTorch's own, at::native, kernels: the small tensor ops between the fused ones), then the
+--top kernels by GPU time per step, with their launches per step; then the host's side the same way: the --top CPU
+ops (self time, calls per step), where the step's Python work and its launches show.
 Decode steps replay vLLM's CUDA graphs as served; the profiler records the kernels inside them.
 --layer-marker names a kernel launched once per layer (a substring of its name; on MiniMax-M3 checkpoints
 fusedMiniMaxM3RowGroup, the norm + RoPE of every layer): then the times from one marker's start to the next (a
@@ -191,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         f"wall per step median {wall[len(wall) // 2] * 1e3:.2f} ms, min {wall[0] * 1e3:.2f} ms (under the profiler)"
     )
     print(kernel_table(prof.events(), opts.steps, on_gpu, opts.top), flush=True)
+    if on_gpu:  # and what the host does each step: the time the GPU idles between synchronised steps
+        print(kernel_table(prof.events(), opts.steps, False, opts.top), flush=True)
     if opts.layer_marker:
         from torch.autograd import DeviceType
 
