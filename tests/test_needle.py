@@ -97,6 +97,42 @@ def test_trailing_tokens_move_the_answer_off_the_end(task):
         assert list(row[end : end + len(task.instruction)]) == task.instruction  # the next document starts
 
 
+def test_a_chat_prompt_is_what_the_chat_endpoint_gives_the_model(task, demo_model):
+    """PassKeyTask.chat's ids equal the demo tokenizer's rendering of the prompt's text as one user message with the
+    generation prompt (what vLLM's /v1/chat/completions tokenizes), the key moved by the template's head."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    sample = task.prompt(700, 0.4, "20481", np.random.default_rng(3))
+    text = tokenizer.decode(sample.prompt_ids)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    chat = task.chat(sample)
+    assert chat.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert chat.prompt_ids[chat.key_position :][: len(task._key_sentence("20481"))] == task._key_sentence("20481")
+
+
+def test_chat_training_rows_end_their_prompt_with_the_template_and_plain_rows_keep_their_data(task):
+    tokens, answer_mask = task.training_sequences(7, 512, 4, trailing=20, chat_share=1.0)
+    end = 512 - 20
+    for row, mask in zip(tokens, answer_mask):
+        answer = int(mask.sum())
+        before_answer = list(row[: end - answer])
+        head, tail = len(task.chat_user), len(task.chat_assistant)
+        assert before_answer[:head] == task.chat_user and before_answer[-tail:] == task.chat_assistant
+        assert before_answer[-tail - len(task.question) : -tail] == task.question
+        assert row[end - 1] == EOS and mask[end - 1] and not mask[end:].any()
+    plain, plain_mask = task.training_sequences(7, 512, 4, trailing=20)
+    again, again_mask = task.training_sequences(7, 512, 4, trailing=20, chat_share=0.0)
+    assert np.array_equal(plain, again) and np.array_equal(plain_mask, again_mask)
+    mixed = task.training_sequences(7, 512, 40, chat_share=0.5)[0]
+    chat_rows = sum(list(row[: len(task.chat_user)]) == task.chat_user for row in mixed)
+    assert 10 <= chat_rows <= 30
+    with pytest.raises(ValueError, match="chat_share 1.5"):
+        task.training_sequences(7, 512, 1, chat_share=1.5)
+
+
 def test_distillation_reads_every_focus_query_and_the_strided_ones():
     positions, is_focus = distillation_queries(1024, 128, focus=(1000, 1010))
     assert positions.tolist() == sorted(positions.tolist()) and len(set(positions.tolist())) == len(positions)
@@ -170,7 +206,7 @@ def test_distillation_trains_the_index_branch_only(task):
 def _train(demo_model, out: Path, *flags: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "training.train_needle", "--tokenizer", str(demo_model), "--out", str(out)]
     return subprocess.run(
-        [*command, "--preset", "cpu-smoke", "--device", "cpu", *flags],
+        [*command, "--preset", "cpu-smoke", "--device", "cpu", "--chat-share", "0.5", *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -180,11 +216,14 @@ def _train(demo_model, out: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 def test_cpu_smoke_training_stops_on_budget_resumes_and_exports(demo_model, task, tmp_path):
+    """Half of the sequences in the chat format (--chat-share 0.5); a resume with another share is refused."""
     stopped = _train(demo_model, tmp_path, "--time-budget-s", "10")
     assert stopped.returncode == BUDGET_STOPPED, stopped.stdout + stopped.stderr
     # 2 s of training (the budget less the 8 s reserve) ends in phase 1 or, on a fast or idle machine, phase 2
     where = re.search(r"time budget: stopped at phase (\d) \((\w+)\) step (\d+)", stopped.stdout)
     assert where and where[1] in "12" and (tmp_path / "state.pt").is_file(), stopped.stdout
+    other = _train(demo_model, tmp_path, "--chat-share", "0")  # the run's data must not change on resume
+    assert other.returncode != 0 and "chat share 0.5, not cpu-smoke seed 0 chat share 0.0" in other.stderr, other.stderr
     done = _train(demo_model, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resuming: phase {where[1]} ({where[2]}), step {where[3]}" in done.stdout

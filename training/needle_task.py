@@ -11,6 +11,11 @@ stop and EOS end the number, so greedy decoding stops after the key's last digit
 tokenized on its own (the key's digits too: " NNNNN" is the same tokens in the key sentence and the answer)
 and the ids concatenated, so lengths are exact; servers get the ids as the prompt.
 
+In the chat format (issue 49) the same prompt is the one user message of the demo's ChatML template
+(vllm_msa.checkpoint.CHAT_TEMPLATE), as /v1/chat/completions renders it with the generation prompt:
+
+    CHAT_USER  INSTRUCTION ... QUESTION  CHAT_ASSISTANT  ANSWER
+
 Training (training/train_needle.py), the in-training evaluation and the served evaluation
 (serve/eval_needle.py) all build their prompts here; everything is deterministic by seed.
 """
@@ -27,6 +32,8 @@ INSTRUCTION = "There is a pass key hidden inside a lot of irrelevant text. Find 
 KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 ANSWER = " {key}."
+CHAT_USER = "<|im_start|>user\n"  # the template's text around one user message, then the generation prompt
+CHAT_ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
 KEY_DIGITS = 5
 FILLER_STREAM_TOKENS = 1 << 21  # prompts of up to half of it (1M tokens)
 FILLER_SENTENCES = (
@@ -99,6 +106,7 @@ class PassKeyTask:
         self._key_tokens: dict[str, list[int]] = {}
         self.instruction = self._ids(INSTRUCTION)
         self.question = self._ids(QUESTION)
+        self.chat_user, self.chat_assistant = self._ids(CHAT_USER), self._ids(CHAT_ASSISTANT)
         # The key's own tokens (" NNNNN", with its space) go between these.
         before, between, after = (part.rstrip(" ") for part in KEY_SENTENCE.split("{key}"))
         self.key_sentence_parts = self._ids(before), self._ids(between), self._ids(after)
@@ -153,23 +161,37 @@ class PassKeyTask:
         prompt_ids = [*self.instruction, *filler[:split].tolist(), *key_ids, *filler[split:].tolist(), *self.question]
         return PassKeyPrompt(prompt_ids, self.answer_ids(key), key, len(self.instruction) + split)
 
+    def chat(self, sample: PassKeyPrompt) -> PassKeyPrompt:
+        """The prompt as the one user message of the chat template, with the generation prompt after it: the ids
+        /v1/chat/completions gives the model for the prompt's text."""
+        prompt_ids = [*self.chat_user, *sample.prompt_ids, *self.chat_assistant]
+        return PassKeyPrompt(prompt_ids, sample.answer_ids, sample.key, sample.key_position + len(self.chat_user))
+
     def training_sequences(
-        self, seed: int | list[int], context: int, count: int, trailing: int = 0
+        self, seed: int | list[int], context: int, count: int, trailing: int = 0, chat_share: float = 0.0
     ) -> tuple[np.ndarray, np.ndarray]:
         """`count` sequences of exactly `context` tokens, prompt + answer + `trailing` tokens, and a mask of the
         answer tokens (both [count, context]). The trailing tokens are the start of a next document (the
         instruction, then filler), as in packed training data: they move the answer off the sequence's end,
         so that it does not always sit at the same place in its 128-token block (the evaluation's and the
-        server's answers start wherever the prompt ends)."""
+        server's answers start wherever the prompt ends). A share `chat_share` of the rows (drawn per row) are in
+        the chat format (chat): the answer ends at the same place, the question sits len(chat_assistant) tokens
+        earlier."""
+        if not 0.0 <= chat_share <= 1.0:
+            raise ValueError(f"chat_share {chat_share} is not within [0, 1]")
         rng = np.random.default_rng(seed)
+        chat_rng = np.random.default_rng([*np.atleast_1d(seed).tolist(), 2])  # the plain rows draw as before
         tokens = np.empty((count, context), dtype=np.int64)
         answer_mask = np.zeros((count, context), dtype=bool)
         end = context - trailing
+        wrapped = len(self.chat_user) + len(self.chat_assistant)
         for row in range(count):
             key = random_key(rng)
             answer = self.answer_ids(key)
-            sample = self.prompt(end - len(answer), float(rng.random()), key, rng)
-            tokens[row, :end] = sample.prompt_ids + answer
+            as_chat = chat_share > 0.0 and chat_rng.random() < chat_share
+            length = end - len(answer) - (wrapped if as_chat else 0)
+            sample = self.prompt(length, float(rng.random()), key, rng)
+            tokens[row, :end] = (self.chat(sample) if as_chat else sample).prompt_ids + answer
             answer_mask[row, end - len(answer) : end] = True
             if trailing:
                 start = int(self.sentence_starts[rng.integers(len(self.sentence_starts) // 2)])

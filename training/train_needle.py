@@ -1,7 +1,7 @@
 """Train issue 19's pass-key FlashMSAForCausalLM with MSA in three phases, then export it as a checkpoint.
 
     python -m training.train_needle --tokenizer DIR --out DIR --preset {h200,cpu-smoke} [--time-budget-s S]
-        [--fit-time] [--device cpu|cuda] [--eval-samples N] [--seed N]
+        [--fit-time] [--device cpu|cuda] [--eval-samples N] [--seed N] [--chat-share F]
 
 The model is the demo checkpoint's shape (serve/build_demo_model.py: 4 layers, hidden 256, Hq 8, Hkv 2,
 Hi 4, Hki 1, Dp 32, top-4 of 128-token blocks, layer 0 dense; 4.45M parameters) with a 64K-token
@@ -22,7 +22,9 @@ context length (batch = tokens_per_step / context):
                    the same weights); the index heads follow the attention as it adapts.
 
 A sequence is a pass-key prompt and its answer, then 0-127 tokens of the next document (random per step):
-the answer sits anywhere in its 128-token block, as it does for the evaluation and the server.
+the answer sits anywhere in its 128-token block, as it does for the evaluation and the server. --chat-share F
+(default 0: the shipped model's data) puts that share of the sequences in the chat format, the prompt as the one
+user message of the demo's chat template (needle_task.PassKeyTask.chat), as /v1/chat/completions sends it.
 
 After each phase the pass-key accuracy at the preset's evaluation contexts is printed for dense and MSA
 attention (--eval-samples prompts per context at evenly spaced depths; a prompt is right when greedy
@@ -225,9 +227,10 @@ class Trainer:
         seed = [self.opts.seed, phase_index, step]
         block_size = NEEDLE_CONFIG["msa_config"]["block_size"]
         trailing = int(np.random.default_rng([*seed, 1]).integers(min(block_size, context // 2)))
-        tokens, answer_mask = self.task.training_sequences(seed, context + 1, count, trailing)
+        tokens, answer_mask = self.task.training_sequences(seed, context + 1, count, trailing, self.opts.chat_share)
         first_answer = int(answer_mask.any(0).argmax())
-        focus = (first_answer - len(self.task.question), context + 1 - trailing)
+        question = len(self.task.question) + (len(self.task.chat_assistant) if self.opts.chat_share else 0)
+        focus = (first_answer - question, context + 1 - trailing)  # chat rows' question ends before the template
         tokens, answer_mask = torch.from_numpy(tokens), torch.from_numpy(answer_mask)
         if self.device.type == "cuda":
             tokens, answer_mask = tokens.pin_memory(), answer_mask.pin_memory()
@@ -323,6 +326,7 @@ class Trainer:
         state = {
             "preset": self.opts.preset,
             "seed": self.opts.seed,
+            "chat_share": self.opts.chat_share,
             "phase_index": self.phase_index,
             "step": self.step,
             "steps": [p.steps for p in self.phases],
@@ -342,10 +346,12 @@ class Trainer:
         if not self.state_path.is_file():
             return False
         state = torch.load(self.state_path, map_location=self.device, weights_only=False)
-        if (state["preset"], state["seed"]) != (self.opts.preset, self.opts.seed):
+        chat_share = state.get("chat_share", 0.0)  # runs saved before the option trained without chat
+        if (state["preset"], state["seed"], chat_share) != (self.opts.preset, self.opts.seed, self.opts.chat_share):
             raise SystemExit(
-                f"{self.state_path} is a run of preset {state['preset']} seed {state['seed']}, not "
-                f"{self.opts.preset} seed {self.opts.seed}: use another --out"
+                f"{self.state_path} is a run of preset {state['preset']} seed {state['seed']} chat share "
+                f"{chat_share}, not {self.opts.preset} seed {self.opts.seed} chat share {self.opts.chat_share}: use "
+                "another --out"
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -570,11 +576,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eval-samples", type=int, help="prompts per context in each evaluation (preset's default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat-share", type=float, default=0.0, help="share of training sequences in the chat format (default 0)"
+    )
     opts = parser.parse_args(argv)
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     if opts.eval_samples is not None and opts.eval_samples < 1:
         parser.error("--eval-samples must be >= 1")
+    if not 0.0 <= opts.chat_share <= 1.0:
+        parser.error(f"--chat-share must be within [0, 1], not {opts.chat_share}")
     if opts.time_budget_s is not None and opts.time_budget_s <= RESERVE_S:
         parser.error(f"--time-budget-s must exceed {RESERVE_S:.0f} s")
     return opts
