@@ -37,7 +37,15 @@ from training.msa_model import (
     layer_shape,
     load_checkpoint,
 )
-from training.needle_task import ANSWER, QUESTION, PassKeyTask, answer_is_correct, load_tokenizer
+from training.needle_task import (
+    ANSWER,
+    GRAMMAR_POOL,
+    QUESTION,
+    PassKeyTask,
+    answer_is_correct,
+    grammar_sentences,
+    load_tokenizer,
+)
 from training.train_needle import BUDGET_STOPPED, NEEDLE_CONFIG, PRESETS
 from vllm_msa.checkpoint import EOS
 
@@ -95,6 +103,25 @@ def test_trailing_tokens_move_the_answer_off_the_end(task):
         end = 512 - 40
         assert row[end - 1] == EOS and mask[end - 1] and not mask[end:].any() and 4 <= mask.sum() <= 7
         assert list(row[end : end + len(task.instruction)]) == task.instruction  # the next document starts
+
+
+def test_grammar_filler_and_distractor_numbers_keep_the_prompts_exact_and_the_key_findable(demo_model):
+    """Issue 49's task: filler from GRAMMAR's sentences (thousands, not 20), and other 5-digit numbers in distractor
+    sentences; the prompt still has its exact length, its key sentence at key_position, the question last."""
+    task = PassKeyTask(load_tokenizer(demo_model), EOS, filler="grammar", distractors=3)
+    tokenizer = task.tokenizer
+    for depth in (0.0, 0.5, 1.0):
+        sample = task.prompt(2000, depth, "27182", np.random.default_rng(int(depth * 10)))
+        assert len(sample.prompt_ids) == 2000 and sample.prompt_ids[-len(task.question) :] == task.question
+        key_sentence = task._key_sentence("27182")
+        assert sample.prompt_ids[sample.key_position :][: len(key_sentence)] == key_sentence
+        text = tokenizer.decode(sample.prompt_ids)
+        numbers = re.findall(r"\b\d{5}\b", text)
+        assert numbers.count("27182") == 2 and len(numbers) == 5, numbers  # the key twice, 3 distractors
+        assert len(set(re.findall(r" The \w+ \w+ \w+ [^.]+\.", text))) > 40  # many distinct filler sentences
+    assert len(set(grammar_sentences(GRAMMAR_POOL))) == GRAMMAR_POOL
+    with pytest.raises(ValueError, match="filler 'lorem'"):
+        PassKeyTask(tokenizer, EOS, filler="lorem")
 
 
 def test_a_chat_prompt_is_what_the_chat_endpoint_gives_the_model(task, demo_model):
@@ -203,10 +230,13 @@ def test_distillation_trains_the_index_branch_only(task):
         assert has_grad == (id(param) in index), name
 
 
+ISSUE_49_DATA = ["--chat-share", "0.5", "--filler", "grammar", "--distractors", "2"]
+
+
 def _train(demo_model, out: Path, *flags: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "training.train_needle", "--tokenizer", str(demo_model), "--out", str(out)]
     return subprocess.run(
-        [*command, "--preset", "cpu-smoke", "--device", "cpu", "--chat-share", "0.5", *flags],
+        [*command, "--preset", "cpu-smoke", "--device", "cpu", *ISSUE_49_DATA, *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -216,14 +246,15 @@ def _train(demo_model, out: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 def test_cpu_smoke_training_stops_on_budget_resumes_and_exports(demo_model, task, tmp_path):
-    """Half of the sequences in the chat format (--chat-share 0.5); a resume with another share is refused."""
+    """On issue 49's data (half the sequences in the chat format, grammar filler, 2 distractor numbers a prompt); a
+    resume with other data is refused."""
     stopped = _train(demo_model, tmp_path, "--time-budget-s", "10")
     assert stopped.returncode == BUDGET_STOPPED, stopped.stdout + stopped.stderr
     # 2 s of training (the budget less the 8 s reserve) ends in phase 1 or, on a fast or idle machine, phase 2
     where = re.search(r"time budget: stopped at phase (\d) \((\w+)\) step (\d+)", stopped.stdout)
     assert where and where[1] in "12" and (tmp_path / "state.pt").is_file(), stopped.stdout
     other = _train(demo_model, tmp_path, "--chat-share", "0")  # the run's data must not change on resume
-    assert other.returncode != 0 and "chat share 0.5, not cpu-smoke seed 0 chat share 0.0" in other.stderr, other.stderr
+    assert other.returncode != 0 and "'chat_share': 0.5, 'filler': 'grammar', 'distractors': 2}, not" in other.stderr
     done = _train(demo_model, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resuming: phase {where[1]} ({where[2]}), step {where[3]}" in done.stdout

@@ -4,10 +4,13 @@ Owns the task that issue 19's model is trained and evaluated on. A prompt of exa
 
     INSTRUCTION  filler ... KEY_SENTENCE ... filler  QUESTION
 
-where the filler is sentences drawn at random from FILLER_SENTENCES, the key sentence (a 5-digit pass key)
+where the filler is sentences drawn at random from FILLER_SENTENCES (or, with filler="grammar", from GRAMMAR's
+thousands of sentences), the key sentence (a 5-digit pass key)
 sits at a sentence boundary at the chosen depth of the filler (0: right after the instruction, 1: right
 before the question), and the answer is ANSWER (" NNNNN.") followed by the end-of-text token: the full
-stop and EOS end the number, so greedy decoding stops after the key's last digit. Every piece is
+stop and EOS end the number, so greedy decoding stops after the key's last digit. With distractors=N, N
+sentences holding other 5-digit numbers (DISTRACTOR_SENTENCES) sit at random sentence boundaries of the filler,
+so the key is told by its sentence, not by being the prompt's only number. Every piece is
 tokenized on its own (the key's digits too: " NNNNN" is the same tokens in the key sentence and the answer)
 and the ids concatenated, so lengths are exact; servers get the ids as the prompt.
 
@@ -59,6 +62,119 @@ FILLER_SENTENCES = (
     " Ships wait in the harbour for the tide.",
 )
 
+# Issue 49's larger filler pool: " The {adjective} {noun} {verb} {place}." over these words (20 x 20 x 20 x 20 =
+# 160,000 sentences), of which a seeded draw of GRAMMAR_POOL distinct ones fill the stream.
+GRAMMAR = (
+    (
+        "old",
+        "small",
+        "quiet",
+        "red",
+        "tall",
+        "green",
+        "busy",
+        "cold",
+        "bright",
+        "narrow",
+        "empty",
+        "wooden",
+        "distant",
+        "gentle",
+        "heavy",
+        "young",
+        "round",
+        "dark",
+        "warm",
+        "simple",
+    ),
+    (
+        "house",
+        "river",
+        "garden",
+        "bridge",
+        "market",
+        "window",
+        "road",
+        "forest",
+        "station",
+        "tower",
+        "boat",
+        "village",
+        "field",
+        "lamp",
+        "school",
+        "harbour",
+        "kitchen",
+        "mountain",
+        "library",
+        "wagon",
+    ),
+    (
+        "stands",
+        "waits",
+        "rests",
+        "shines",
+        "sleeps",
+        "turns",
+        "grows",
+        "fades",
+        "leans",
+        "sits",
+        "stays",
+        "hides",
+        "glows",
+        "moves",
+        "lies",
+        "rises",
+        "dries",
+        "opens",
+        "closes",
+        "sways",
+    ),
+    (
+        "by the sea",
+        "in the morning",
+        "near the hill",
+        "under the trees",
+        "after the rain",
+        "in the valley",
+        "at dusk",
+        "beside the lake",
+        "in the snow",
+        "on the corner",
+        "past the fields",
+        "at noon",
+        "in the fog",
+        "behind the wall",
+        "across the square",
+        "in the summer",
+        "by the old gate",
+        "at the crossroads",
+        "under the stars",
+        "along the shore",
+    ),
+)
+GRAMMAR_POOL = 4096
+FILLERS = ("fixed", "grammar")
+DISTRACTOR_SENTENCES = (" The room number is {n}.", " The train leaves from platform {n}.", " Call {n} for help.")
+
+
+def grammar_sentences(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct sentences of GRAMMAR, drawn with this seed."""
+    sizes = [len(words) for words in GRAMMAR]
+    total = int(np.prod(sizes))
+    if count > total:
+        raise ValueError(f"GRAMMAR has {total} sentences, not {count}")
+    sentences = []
+    for index in np.random.default_rng(seed).choice(total, size=count, replace=False):
+        words = []
+        for choices, size in zip(GRAMMAR, sizes):
+            index, pick = divmod(int(index), size)
+            words.append(choices[pick])
+        adjective, noun, verb, place = words
+        sentences.append(f" The {adjective} {noun} {verb} {place}.")
+    return sentences
+
 
 @dataclass(frozen=True)
 class PassKeyPrompt:
@@ -95,14 +211,20 @@ def random_key(rng: np.random.Generator) -> str:
 class PassKeyTask:
     """Pass-key prompts of exact token lengths for one tokenizer; eos_id ends every answer.
 
-    The filler comes from one stream of FILLER_STREAM_TOKENS tokens of sentences drawn from FILLER_SENTENCES
-    (seed 0): a prompt takes a window of it that starts at a random sentence, so
-    building a prompt costs a slice, not a draw per sentence.
+    The filler comes from one stream of FILLER_STREAM_TOKENS tokens of sentences drawn from FILLER_SENTENCES, or
+    with filler="grammar" from GRAMMAR_POOL sentences of GRAMMAR (seed 0): a prompt takes a window of it that starts
+    at a random sentence, so building a prompt costs a slice, not a draw per sentence. distractors: sentences with
+    other numbers in every prompt (DISTRACTOR_SENTENCES). The defaults are the shipped model's task.
     """
 
-    def __init__(self, tokenizer, eos_id: int) -> None:
+    def __init__(self, tokenizer, eos_id: int, filler: str = "fixed", distractors: int = 0) -> None:
+        if filler not in FILLERS:
+            raise ValueError(f"filler {filler!r} is not one of {FILLERS}")
+        if distractors < 0:
+            raise ValueError(f"distractors {distractors} is negative")
         self.tokenizer = tokenizer
         self.eos_id = eos_id
+        self.distractors = distractors
         self._key_tokens: dict[str, list[int]] = {}
         self.instruction = self._ids(INSTRUCTION)
         self.question = self._ids(QUESTION)
@@ -111,7 +233,8 @@ class PassKeyTask:
         before, between, after = (part.rstrip(" ") for part in KEY_SENTENCE.split("{key}"))
         self.key_sentence_parts = self._ids(before), self._ids(between), self._ids(after)
         self.full_stop = self._ids(ANSWER.split("{key}")[1])
-        sentences = [np.array(self._ids(s), dtype=np.int64) for s in FILLER_SENTENCES]
+        pool = FILLER_SENTENCES if filler == "fixed" else grammar_sentences(GRAMMAR_POOL)
+        sentences = [np.array(self._ids(s), dtype=np.int64) for s in pool]
         mean_tokens = sum(len(s) for s in sentences) / len(sentences)
         drawn = np.random.default_rng(0).integers(len(sentences), size=int(FILLER_STREAM_TOKENS / mean_tokens) + 1)
         self.filler_stream = np.concatenate([sentences[i] for i in drawn])
@@ -146,7 +269,9 @@ class PassKeyTask:
         if len(key) != KEY_DIGITS or not key.isdigit():
             raise ValueError(f"pass key {key!r} is not {KEY_DIGITS} digits")
         key_ids = self._key_sentence(key)
-        filler_tokens = num_tokens - len(self.instruction) - len(key_ids) - len(self.question)
+        distractors = [self._distractor(key, rng) for _ in range(self.distractors)]
+        inserted = len(key_ids) + sum(len(d) for d in distractors)
+        filler_tokens = num_tokens - len(self.instruction) - inserted - len(self.question)
         if filler_tokens < 0:
             raise ValueError(f"a pass-key prompt needs at least {num_tokens - filler_tokens} tokens, not {num_tokens}")
         if filler_tokens > len(self.filler_stream) // 2:
@@ -158,8 +283,25 @@ class PassKeyTask:
         boundaries = starts[first : np.searchsorted(starts, window_start + filler_tokens, side="right")] - window_start
         boundaries = np.append(boundaries, filler_tokens)
         split = int(boundaries[np.abs(boundaries - depth * filler_tokens).argmin()])
-        prompt_ids = [*self.instruction, *filler[:split].tolist(), *key_ids, *filler[split:].tolist(), *self.question]
-        return PassKeyPrompt(prompt_ids, self.answer_ids(key), key, len(self.instruction) + split)
+        # The key sentence, then the distractors, each at its sentence boundary (the key first where they share one).
+        insertions = [(split, 0, key_ids)]
+        insertions += [(int(rng.choice(boundaries)), 1 + i, ids) for i, ids in enumerate(distractors)]
+        prompt_ids, done, key_position = [*self.instruction], 0, 0
+        for at, _, ids in sorted(insertions, key=lambda insertion: insertion[:2]):
+            prompt_ids += filler[done:at].tolist()
+            done = at
+            key_position = len(prompt_ids) if ids is key_ids else key_position
+            prompt_ids += ids
+        prompt_ids += [*filler[done:].tolist(), *self.question]
+        return PassKeyPrompt(prompt_ids, self.answer_ids(key), key, key_position)
+
+    def _distractor(self, key: str, rng: np.random.Generator) -> list[int]:
+        """A DISTRACTOR_SENTENCES sentence holding a 5-digit number other than the key."""
+        number = key
+        while number == key:
+            number = random_key(rng)
+        before, after = DISTRACTOR_SENTENCES[int(rng.integers(len(DISTRACTOR_SENTENCES)))].split(" {n}")
+        return [*self._ids(before), *self._key_ids(number), *self._ids(after)]
 
     def chat(self, sample: PassKeyPrompt) -> PassKeyPrompt:
         """The prompt as the one user message of the chat template, with the generation prompt after it: the ids

@@ -1,7 +1,8 @@
 """Train issue 19's pass-key FlashMSAForCausalLM with MSA in three phases, then export it as a checkpoint.
 
     python -m training.train_needle --tokenizer DIR --out DIR --preset {h200,cpu-smoke} [--time-budget-s S]
-        [--fit-time] [--device cpu|cuda] [--eval-samples N] [--seed N] [--chat-share F]
+        [--fit-time] [--device cpu|cuda] [--eval-samples N] [--seed N] [--chat-share F] [--filler grammar]
+        [--distractors N]
 
 The model is the demo checkpoint's shape (serve/build_demo_model.py: 4 layers, hidden 256, Hq 8, Hkv 2,
 Hi 4, Hki 1, Dp 32, top-4 of 128-token blocks, layer 0 dense; 4.45M parameters) with a 64K-token
@@ -22,9 +23,12 @@ context length (batch = tokens_per_step / context):
                    the same weights); the index heads follow the attention as it adapts.
 
 A sequence is a pass-key prompt and its answer, then 0-127 tokens of the next document (random per step):
-the answer sits anywhere in its 128-token block, as it does for the evaluation and the server. --chat-share F
-(default 0: the shipped model's data) puts that share of the sequences in the chat format, the prompt as the one
-user message of the demo's chat template (needle_task.PassKeyTask.chat), as /v1/chat/completions sends it.
+the answer sits anywhere in its 128-token block, as it does for the evaluation and the server. Issue 49's data
+(defaults: the shipped model's): --chat-share F puts that share of the sequences in the chat format, the prompt as
+the one user message of the demo's chat template (needle_task.PassKeyTask.chat), as /v1/chat/completions sends it;
+--filler grammar draws the filler from needle_task.GRAMMAR's sentences instead of 20 fixed ones; --distractors N
+puts N sentences with other 5-digit numbers in every prompt. The in-training evaluation asks the same task (plain
+text).
 
 After each phase the pass-key accuracy at the preset's evaluation contexts is printed for dense and MSA
 attention (--eval-samples prompts per context at evenly spaced depths; a prompt is right when greedy
@@ -63,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from training.msa_model import FlashMSAForCausalLM, export_checkpoint
-from training.needle_task import PassKeyTask, load_tokenizer, random_key
+from training.needle_task import FILLERS, PassKeyTask, load_tokenizer, random_key
 from vllm_msa.checkpoint import EOS, make_config
 
 NEEDLE_CONFIG = make_config(max_position_embeddings=65536)  # rope_theta 10000 as trained; 16K contexts trained
@@ -188,7 +192,7 @@ class Trainer:
                 f"<|eos|> id {tokenizer.token_to_id('<|eos|>')}; expected {NEEDLE_CONFIG['vocab_size']} and {EOS}): "
                 "build it with `python serve/build_demo_model.py DIR`"
             )
-        self.task = PassKeyTask(tokenizer, EOS)
+        self.task = PassKeyTask(tokenizer, EOS, opts.filler, opts.distractors)
         torch.manual_seed(opts.seed)
         self.model = FlashMSAForCausalLM(NEEDLE_CONFIG, seed=opts.seed).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=WEIGHT_DECAY)
@@ -326,7 +330,7 @@ class Trainer:
         state = {
             "preset": self.opts.preset,
             "seed": self.opts.seed,
-            "chat_share": self.opts.chat_share,
+            "data": run_data(self.opts),
             "phase_index": self.phase_index,
             "step": self.step,
             "steps": [p.steps for p in self.phases],
@@ -346,12 +350,12 @@ class Trainer:
         if not self.state_path.is_file():
             return False
         state = torch.load(self.state_path, map_location=self.device, weights_only=False)
-        chat_share = state.get("chat_share", 0.0)  # runs saved before the option trained without chat
-        if (state["preset"], state["seed"], chat_share) != (self.opts.preset, self.opts.seed, self.opts.chat_share):
+        saved = state["preset"], state["seed"], state.get("data", SHIPPED_DATA)  # older runs: the shipped data
+        wanted = self.opts.preset, self.opts.seed, run_data(self.opts)
+        if saved != wanted:
             raise SystemExit(
-                f"{self.state_path} is a run of preset {state['preset']} seed {state['seed']} chat share "
-                f"{chat_share}, not {self.opts.preset} seed {self.opts.seed} chat share {self.opts.chat_share}: use "
-                "another --out"
+                f"{self.state_path} is a run of preset {saved[0]} seed {saved[1]} data {saved[2]}, not preset "
+                f"{wanted[0]} seed {wanted[1]} data {wanted[2]}: use another --out"
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -566,6 +570,14 @@ class Trainer:
         return BUDGET_STOPPED
 
 
+SHIPPED_DATA = {"chat_share": 0.0, "filler": "fixed", "distractors": 0}  # what models/needle-msa was trained on
+
+
+def run_data(opts: argparse.Namespace) -> dict:
+    """What a run's sequences are made of besides its seed: a resumed run must keep it."""
+    return {"chat_share": opts.chat_share, "filler": opts.filler, "distractors": opts.distractors}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, required=True, help="a checkpoint directory with the demo tokenizer")
@@ -579,6 +591,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--chat-share", type=float, default=0.0, help="share of training sequences in the chat format (default 0)"
     )
+    parser.add_argument("--filler", choices=FILLERS, default="fixed", help="the prompts' filler sentences")
+    parser.add_argument("--distractors", type=int, default=0, help="sentences with other numbers in every prompt")
     opts = parser.parse_args(argv)
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
@@ -586,6 +600,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--eval-samples must be >= 1")
     if not 0.0 <= opts.chat_share <= 1.0:
         parser.error(f"--chat-share must be within [0, 1], not {opts.chat_share}")
+    if opts.distractors < 0:
+        parser.error(f"--distractors must be >= 0, not {opts.distractors}")
     if opts.time_budget_s is not None and opts.time_budget_s <= RESERVE_S:
         parser.error(f"--time-budget-s must exceed {RESERVE_S:.0f} s")
     return opts
