@@ -8,14 +8,15 @@ depth) cell on each of --endpoints (greedy, max_tokens MAX_TOKENS, --concurrency
     ids    the prompt's token ids on /v1/completions (exactly the tokens training built)
     text   the prompt's text on /v1/completions, tokenized by the server as a typed prompt is
     chat   the prompt's text as one user message on /v1/chat/completions (the checkpoint's chat template)
-The prompts are training/needle_task.py's, the same for every configuration (seeded by cell); an answer
+The prompts are training/needle_task.py's (--filler, --distractors: its options; the defaults are the shipped
+model's task), the same for every configuration (seeded by cell); an answer
 is right when the completion starts with exactly the key's digits (needle_task.answer_is_correct), a chat
 reply when its first number is exactly the key.
 
     python serve/eval_needle.py MODEL_DIR [--contexts 1024 2048 4096 8192 16384 32768] [--depths 0 0.25 0.5 0.75 1]
-        [--samples 4] [--endpoints ids text chat] [--only FLASH_MSA dense] [--dense-backend FLASH_ATTN]
-        [--concurrency 4] [--port 8123] [--gpu-memory-utilization 0.9] [--out results/needle]
-        [-- extra args for every server]
+        [--samples 4] [--endpoints ids text chat] [--filler fixed] [--distractors 0] [--only FLASH_MSA dense]
+        [--dense-backend FLASH_ATTN] [--concurrency 4] [--port 8123] [--gpu-memory-utilization 0.9]
+        [--out results/needle] [-- extra args for every server]
 
 --out gets summary.md (per configuration and endpoint a context x depth table, FLASH_MSA minus dense per
 context, the command), results.json (every cell, the command, each server's arguments and errors),
@@ -53,7 +54,7 @@ from serve.bench_e2e import (
     wait_until_healthy,
 )
 from serve.local_server import post_json
-from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
+from training.needle_task import FILLERS, PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer, random_key
 from vllm_msa.checkpoint import EOS
 
 MAX_TOKENS = 8  # " NNNNN." is 3-4 tokens, then EOS
@@ -205,6 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--endpoints", nargs="+", choices=ENDPOINTS, default=list(ENDPOINTS), help="how the prompts are sent"
     )
+    parser.add_argument("--filler", choices=FILLERS, default="fixed", help="the prompts' filler (needle_task)")
+    parser.add_argument("--distractors", type=int, default=0, help="sentences with other numbers in each prompt")
     parser.add_argument("--only", nargs="+", help="only these configurations (FLASH_MSA, dense)")
     parser.add_argument("--dense-backend", help="backend of `dense` (default: FLASH_ATTN on CUDA, else FLASH_MSA)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
@@ -219,6 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     opts.config = json.loads(config_path.read_text())
     if min(opts.samples, opts.concurrency) < 1 or not all(0 <= d <= 1 for d in opts.depths):
         parser.error("--samples and --concurrency must be >= 1, --depths within [0, 1]")
+    if opts.distractors < 0:
+        parser.error(f"--distractors must be >= 0, not {opts.distractors}")
     longest = max(opts.contexts) + MAX_TOKENS + PROMPT_SLACK
     if longest > opts.config["max_position_embeddings"]:
         parser.error(
@@ -240,13 +245,14 @@ def main(argv=None) -> int:
         sys.exit(f"--only: unknown configurations {sorted(unknown)}; there are {sorted(configs)}")
     configs = {name: args for name, args in configs.items() if not opts.only or name in opts.only}
     opts.out.mkdir(parents=True, exist_ok=True)
-    task = PassKeyTask(load_tokenizer(opts.model_dir), EOS)
+    task = PassKeyTask(load_tokenizer(opts.model_dir), EOS, opts.filler, opts.distractors)
     command = shlex.join(["python", "serve/eval_needle.py", *(sys.argv[1:] if argv is None else argv)])
     results = {
         "command": command,
         "model": str(opts.model_dir),
         "samples": opts.samples,
         "endpoints": opts.endpoints,
+        "task": {"filler": opts.filler, "distractors": opts.distractors},
         "configs": {},
     }
     for offset, (name, args) in enumerate(configs.items()):

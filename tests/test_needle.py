@@ -124,6 +124,14 @@ def test_grammar_filler_and_distractor_numbers_keep_the_prompts_exact_and_the_ke
         PassKeyTask(tokenizer, EOS, filler="lorem")
 
 
+def test_the_served_evaluation_takes_the_tasks_options_and_refuses_bad_ones(demo_model, capsys):
+    opts = eval_needle.parse_args([str(demo_model), "--contexts", "1024", "--filler", "grammar", "--distractors", "3"])
+    assert (opts.filler, opts.distractors) == ("grammar", 3)
+    with pytest.raises(SystemExit):
+        eval_needle.parse_args([str(demo_model), "--contexts", "1024", "--distractors", "-1"])
+    assert "--distractors must be >= 0, not -1" in capsys.readouterr().err
+
+
 def test_a_chat_prompt_is_what_the_chat_endpoint_gives_the_model(task, demo_model):
     """PassKeyTask.chat's ids equal the demo tokenizer's rendering of the prompt's text as one user message with the
     generation prompt (what vLLM's /v1/chat/completions tokenizes), the key moved by the template's head."""
