@@ -157,6 +157,8 @@ class PassKeyTask:
         before, between, after = (part.rstrip(" ") for part in KEY_SENTENCE.split("{key}"))
         self.key_sentence_parts = self._ids(before), self._ids(between), self._ids(after)
         self.full_stop = self._ids(ANSWER.split("{key}")[1])
+        # Each distractor sentence's tokens around its number (" NNNNN", as a key's).
+        self.distractor_parts = [tuple(self._ids(part) for part in s.split(" {n}")) for s in DISTRACTOR_SENTENCES]
         pool = FILLER_SENTENCES if filler == "fixed" else grammar_sentences(GRAMMAR_POOL)
         sentences = [np.array(self._ids(s), dtype=np.int64) for s in pool]
         mean_tokens = sum(len(s) for s in sentences) / len(sentences)
@@ -224,8 +226,8 @@ class PassKeyTask:
         number = key
         while number == key:
             number = random_key(rng)
-        before, after = DISTRACTOR_SENTENCES[int(rng.integers(len(DISTRACTOR_SENTENCES)))].split(" {n}")
-        return [*self._ids(before), *self._key_ids(number), *self._ids(after)]
+        before, after = self.distractor_parts[int(rng.integers(len(self.distractor_parts)))]
+        return [*before, *self._key_ids(number), *after]
 
     def chat(self, sample: PassKeyPrompt) -> PassKeyPrompt:
         """The prompt as the one user message of the chat template, with the generation prompt after it: the ids
