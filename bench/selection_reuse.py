@@ -10,10 +10,10 @@ selects as the t-th decode step would: its own block forced, every earlier block
   head reuse   per index head, the share of a step's k blocks that the same head selected the step before;
   page reuse   the K/V pages the step reads (a page holds every KV head of its block, so the union of the index
                heads' blocks) found among the pages the step before read;
-  LRU hit rate a device tier of C x (Hi x k) pages (the most a step can read) for the one request, least
-               recently used out, run by the host tier's own step (msa_kernels.host_tier.resolve): the share of a
-               step's pages already in it, and the pages a step copies in from host memory (misses), mean and p99;
-               a device tier as large as the context (its pages in the first column) always hits;
+  tier hits    a device tier of C x (Hi x k) pages (the most a step can read) for the one request, run by the
+               host tier's own step and policy (msa_kernels.host_tier.resolve: CLOCK): the share of a step's pages
+               already in it, and the pages a step copies in from host memory (misses), mean and p99; a device
+               tier as large as the context (its pages in the first column) always hits;
 
 each beside the same numbers for independent random block scores at the same shape (what no trained index head
 would do: the worst case). CPU only, minutes (a resolve per position and capacity).
@@ -52,7 +52,7 @@ def page_reuse(pages: list[set[int]], start: int) -> float:
     return float(np.mean([len(pages[t] & pages[t - 1]) / len(pages[t]) for t in range(max(start, 1), len(pages))]))
 
 
-def lru(blocks: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
+def tier_hits(blocks: torch.Tensor, start: int, capacity: int) -> tuple[float, float, float]:
     """(hit rate, mean misses per step, p99 misses per step) of a device tier of `capacity` pages for one request
     under the host tier's own step (msa_kernels.host_tier: step_blocks, resolve), positions as consecutive decode
     steps, warmed on the positions before `start`; blocks: step_blocks of the positions' selections."""
@@ -82,7 +82,7 @@ def random_like(selected: torch.Tensor, block_size: int) -> torch.Tensor:
 def report(selections: dict[int, torch.Tensor], start_fraction: float, capacities: list[int], block_size: int) -> str:
     lines = [
         "| context (pages) | selections | head reuse | page reuse | "
-        + " | ".join(f"LRU {c}x: hit, misses mean / p99" for c in capacities)
+        + " | ".join(f"tier {c}x: hit, misses mean / p99" for c in capacities)
         + " |",
         "|---|---|---|---|" + "---|" * len(capacities),
     ]
@@ -95,7 +95,7 @@ def report(selections: dict[int, torch.Tensor], start_fraction: float, capacitie
             per_step = selected.shape[1] * selected.shape[2]
             cells = []
             for c in capacities:
-                hit, mean_misses, p99 = lru(blocks, start, c * per_step)
+                hit, mean_misses, p99 = tier_hits(blocks, start, c * per_step)
                 cells.append(f"{hit:.2f}, {mean_misses:.1f} / {p99:.0f}")
             reuse = f"{head_reuse(selected, start):.2f} | {page_reuse(pages, start):.2f}"
             lines.append(f"| {context} ({context_pages}) | {name} | {reuse} | " + " | ".join(cells) + " |")

@@ -1,6 +1,6 @@
 """The K/V host tier's step (msa_kernels.host_tier) on CPU: the sparse attention through the device tier reads exactly
 what it reads from the whole cache, whichever batch row a request is in, with pages freed and written by the next
-request, and the device tier keeps the pages a least-recently-used policy keeps."""
+request, and the device tier keeps the pages the CLOCK policy keeps."""
 
 import random
 
@@ -129,41 +129,51 @@ def test_device_slots_are_the_written_rows_in_the_copies_of_held_pages():
     assert cache.device_slots(slots, block).tolist() == want
 
 
-def lru_counts(steps: list[list[int]], num_pages: int) -> list[tuple[int, int]]:
-    """(hits, misses) per step of a device tier under the policy resolve implements, slot by slot in Python: a
-    missing page (ascending) takes the slot not read this step whose last read is oldest (never read first), the
-    lowest slot on a tie."""
-    held, last = [-1] * num_pages, [-1] * num_pages
-    counts = []
-    for step, wanted in enumerate(steps):
-        read = {held.index(p) for p in wanted if p in held}
+class Clock:
+    """The policy resolve implements, slot by slot in Python (CLOCK): a read sets its slot's reference bit; each
+    missing page (ascending) takes the slot the hand reaches first that the step does not read and whose bit is
+    clear, the hand clearing the bits it passes; a filled slot is referenced."""
+
+    def __init__(self, num_pages: int):
+        self.held, self.referenced, self.hand = [-1] * num_pages, [False] * num_pages, 0
+
+    def step(self, wanted: list[int]) -> tuple[int, int]:
+        """(hits, misses) of a step reading the host pages `wanted`."""
+        read = {self.held.index(p) for p in wanted if p in self.held}
         hits = len(read)
-        free = sorted((s for s in range(num_pages) if s not in read), key=lambda s: (last[s], s))
-        for p in sorted(p for p in wanted if p not in held):
-            slot = free.pop(0)
-            held[slot] = p
+        for slot in read:
+            self.referenced[slot] = True
+        for page in sorted(p for p in wanted if p not in self.held):
+            while True:
+                slot, self.hand = self.hand, (self.hand + 1) % len(self.held)
+                if slot in read:
+                    continue
+                if self.referenced[slot]:
+                    self.referenced[slot] = False
+                    continue
+                break
+            self.held[slot], self.referenced[slot] = page, True
             read.add(slot)
-        for s in read:
-            last[s] = step
-        counts.append((hits, len(wanted) - hits))
-    return counts
+        return hits, len(wanted) - hits
 
 
-def test_the_device_tier_keeps_the_least_recently_used_policy():
+def test_the_device_tier_keeps_the_clock_policy():
     rng = random.Random(3)
     width, num_requests, num_pages = 4, 3, 14
     # Request r's block b on host page 10 r + b; requests 1 and 2 share their block 0 (a shared prefix's page).
     table = torch.arange(10, dtype=torch.int32)[None] + 10 * torch.arange(num_requests, dtype=torch.int32)[:, None]
     table[2, 0] = table[1, 0]
-    cache = PageCache.empty(num_pages, 10 * num_requests)
-    wanted_steps, got = [], []
-    for _ in range(40):
+    cache, clock = PageCache.empty(num_pages, 10 * num_requests), Clock(num_pages)
+    counts = []
+    for _ in range(200):
         rows = [sorted(rng.sample(range(10), rng.randint(1, width))) for _ in range(num_requests)]
         blocks = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32)
-        wanted_steps.append(sorted({int(table[r, b]) for r, row in enumerate(rows) for b in row}))
         resolution = resolve(cache, blocks, table)
-        got.append((int(resolution.hits), int(resolution.misses)))
-    assert got == lru_counts(wanted_steps, num_pages)
+        counts.append(clock.step(sorted({int(table[r, b]) for r, row in enumerate(rows) for b in row})))
+        assert (int(resolution.hits), int(resolution.misses)) == counts[-1]
+        assert cache.held.tolist() == clock.held and cache.referenced.tolist() == clock.referenced
+        assert int(cache.hand) == clock.hand
+    assert sum(h for h, _ in counts) > 0 and sum(m for _, m in counts[10:]) > 0  # both kinds, after the tier filled
 
 
 def test_a_device_tier_smaller_than_a_steps_blocks_is_refused():

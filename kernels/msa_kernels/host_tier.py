@@ -4,9 +4,10 @@ An MSA decode step reads the K/V of at most Hi x K blocks per request (each inde
 steps read many of the same blocks (results/README.md, "Selection reuse across decode steps"). With a host tier the
 K/V of every page lives in host memory, at the page vLLM's block table names (host_block_table: the pages are
 vLLM's block ids), and a layer's device tier is a PageCache: `num_pages` device pages holding copies of host pages,
-least recently used out. The cache is keyed by host page, not by request or batch row: vLLM moves requests between
-batch rows from step to step and hands a freed page to the next request, and a page of a prefix shared by several
-requests is one copy for all of them. Per decode step, after top-k:
+replaced by the CLOCK policy (least recently used, approximately: a reference bit a page and a hand, no sort, so one
+thread block can run a step of it). The cache is keyed by host page, not by request or batch row: vLLM moves
+requests between batch rows from step to step and hands a freed page to the next request, and a page of a prefix
+shared by several requests is one copy for all of them. Per decode step, after top-k:
 
     selected [R, Hi, K] --step_blocks--> the step's blocks [R, Hi*K] (each once, -1 padded)
         --resolve(cache, host_block_table)--> Resolution: the block table the sparse attention reads (block -> the
@@ -31,24 +32,22 @@ from typing import NamedTuple
 
 import torch
 
-_NEVER = -1  # last_used of a slot that holds nothing: the first chosen for a miss
-
 
 @dataclass
 class PageCache:
-    """A layer's device tier: `num_pages` device pages caching host pages, least recently used out.
+    """A layer's device tier: `num_pages` device pages caching host pages, replaced by the CLOCK policy.
 
     pages [P] int32: the device page of each slot (fixed);
     held [P] int32: the host page each slot holds a copy of, -1 = none;
-    last_used [P] int64: the step that last read each slot, -1 = never;
+    referenced [P] bool: the slot was read since the clock hand last passed it (a second chance);
     slot_of [H] int32: the slot holding each of the H host pages, -1 = none (what lookups and writes read);
-    clock [1] int64: the steps resolved so far (on the device: resolve counts without a host sync)."""
+    hand [1] int64: the slot the clock hand points at (on the device: resolve moves it without a host sync)."""
 
     pages: torch.Tensor
     held: torch.Tensor
-    last_used: torch.Tensor
+    referenced: torch.Tensor
     slot_of: torch.Tensor
-    clock: torch.Tensor
+    hand: torch.Tensor
 
     @classmethod
     def empty(
@@ -59,7 +58,7 @@ class PageCache:
         return cls(
             pages,
             torch.full_like(pages, -1),
-            torch.full((num_pages,), _NEVER, dtype=torch.int64, device=device),
+            torch.zeros(num_pages, dtype=torch.bool, device=device),
             torch.full((num_host_pages,), -1, dtype=torch.int32, device=device),
             torch.zeros(1, dtype=torch.int64, device=device),
         )
@@ -113,12 +112,41 @@ def step_blocks(selected: torch.Tensor) -> torch.Tensor:
     return _unique_rows(selected.flatten(1)).to(torch.int32)
 
 
+def _clock_victims(cache: PageCache, slot_read: torch.Tensor, num_misses: torch.Tensor) -> torch.Tensor:
+    """The slots the step's misses take, in the order the clock hand reaches them ([P]: victim i at [i], the rest
+    past the misses unspecified), and the hand and reference bits moved as the sweep leaves them (in place).
+
+    The hand sweeps from where it points, skipping the slots the step reads; an unread slot whose reference bit is
+    set loses it (a second chance), one without is taken. Vectorised: the slots without a bit come first in the
+    hand's order, then (the sweep having wrapped round and cleared every bit) those with one."""
+    num_pages = cache.num_pages
+    position = torch.arange(num_pages, device=slot_read.device)
+    order = (cache.hand + position) % num_pages  # the slots in the order the hand reaches them
+    unread = ~slot_read[order]
+    referenced = cache.referenced[order]
+    first = unread & ~referenced
+    second = unread & referenced
+    num_first = first.sum()
+    rank = torch.where(first, first.cumsum(0) - 1, torch.where(second, num_first + second.cumsum(0) - 1, num_pages))
+    victims = torch.empty(num_pages + 1, dtype=torch.int64, device=slot_read.device)
+    victims.scatter_(0, rank, order)
+    place = torch.zeros(num_pages + 1, dtype=torch.int64, device=slot_read.device)  # where the hand finds victim i
+    place.scatter_(0, rank, position)
+    last = place[(num_misses - 1).clamp(min=0)]  # where the hand takes the step's last victim
+    swept = num_misses > 0
+    passed = swept & ((position <= last) | (num_misses > num_first))
+    cache.referenced.scatter_(0, order, referenced & ~passed)
+    cache.hand.copy_(torch.where(swept, (cache.hand + last + 1) % num_pages, cache.hand))
+    return victims[:num_pages]
+
+
 def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tensor) -> Resolution:
     """Give every block of the step (blocks [R, N] from step_blocks) the device page holding a copy of its host page
-    (host_block_table [R, max_blocks]): a page already held keeps its device page (a hit); a page held nowhere takes
-    the least recently used slot the step does not read (empty slots first) and is to be copied in. Updates the
-    cache in place (the pages held, their last use: the step's number, cache.clock, then counted). Needs num_pages >=
-    R x N, so every miss finds a slot whatever the step reads. Torch ops of fixed shapes: no host sync."""
+    (host_block_table [R, max_blocks]): a page already held keeps its device page (a hit); the pages held nowhere
+    (ascending) take the slots the clock hand picks among those the step does not read, and are to be copied in.
+    Updates the cache in place (the pages held, the reference bits: set on every slot the step reads, the hand).
+    Needs num_pages >= R x N, so every miss finds a slot whatever the step reads. Torch ops of fixed shapes: no host
+    sync."""
     rows, width = blocks.shape
     if cache.num_pages < rows * width:
         raise ValueError(
@@ -135,12 +163,9 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
     sink = torch.full_like(wanted, num_pages).long()  # past the real slots: where entries without a slot write
     slot_read = torch.zeros(num_pages + 1, dtype=torch.bool, device=blocks.device)
     slot_read.scatter_(0, torch.where(hit, slot.long(), sink), True)
-    # The misses take the unread slots in order of last use (never used first), one each.
-    free_first = torch.where(slot_read[:num_pages], torch.iinfo(torch.int64).max, cache.last_used)
-    free_first = free_first.argsort(stable=True)
-    miss_slot = free_first[(miss.cumsum(0) - 1).clamp(min=0)]
-    slot = torch.where(miss, miss_slot.to(slot.dtype), slot).long()
-    # A slot taken by a miss stops holding its old page; then each read slot holds its page, read at `step`.
+    victims = _clock_victims(cache, slot_read[:num_pages], miss.sum())
+    slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)].to(slot.dtype), slot).long()
+    # A slot taken by a miss stops holding its old page; then each read slot holds its page, referenced.
     evicted = torch.where(miss, cache.held[slot.clamp(min=0, max=num_pages - 1)], -1).long()
     host_sink = cache.slot_of.shape[0]
     slot_of = torch.cat([cache.slot_of, cache.slot_of.new_full((1,), -1)])
@@ -149,12 +174,11 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
     slot_of.scatter_(0, torch.where(present, wanted.long(), host_sink), target.to(slot_of.dtype))
     held = torch.cat([cache.held, cache.held.new_full((1,), -1)])
     held.scatter_(0, target, wanted.to(held.dtype))
-    last_used = torch.cat([cache.last_used, cache.last_used.new_full((1,), _NEVER)])
-    last_used.scatter_(0, target, cache.clock.expand(target.shape[0]))
+    referenced = torch.cat([cache.referenced, cache.referenced.new_zeros(1)])
+    referenced.scatter_(0, target, True)
     cache.slot_of.copy_(slot_of[:host_sink])
     cache.held.copy_(held[:num_pages])
-    cache.last_used.copy_(last_used[:num_pages])
-    cache.clock.add_(1)
+    cache.referenced.copy_(referenced[:num_pages])
     # Each row's blocks to the device page now holding their host page.
     device_page = cache.pages[cache.slot_of[host_page.clamp(min=0).long()].clamp(min=0).long()]
     max_blocks = host_block_table.shape[1]
