@@ -261,6 +261,23 @@ def test_a_host_tier_flash_msa_cannot_serve_is_refused_by_name(pages, spec, conn
         check_kv_device_pages(vllm_config, shape)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_device_tier_past_the_free_gpu_memory_is_refused_by_name():
+    """The host tier's device pages are allocated beside vLLM's KV budget: more than the GPU has free is refused
+    naming the option and the flags that leave room, before anything is allocated."""
+    from vllm_msa.host_tier import LayerHostTier, page_shape
+
+    shape = MSAModelConfig.from_hf_config(_HF(msa_config=MSA)).layer_shape(_HF(msa_config=MSA))
+    device = torch.device("cuda")
+    page_bytes = torch.Size(page_shape(shape)).numel() * 2
+    too_many = torch.cuda.mem_get_info(device)[0] // page_bytes + 1
+    with pytest.raises(MSAConfigError, match=f"device tier of {too_many} pages.*lower flash_msa_kv_device_pages"):
+        LayerHostTier.allocate(4, too_many, shape, torch.bfloat16, device)
+    tier = LayerHostTier.allocate(4, 64, shape, torch.bfloat16, device)
+    assert tier.device_pages.shape[0] == 64 and tier.host_pages.is_pinned()
+
+
 @pytest.mark.parametrize(
     "capability, importable, reason",
     [

@@ -9,20 +9,22 @@ step reads mostly the same ones (results/README.md, "Selection reuse across deco
 - When vLLM binds the placeholder, the layer allocates its LayerHostTier: the K/V of all vLLM's pages in host memory
   (pinned on a GPU host, written and read by the kernels through its device view: vLLM's UVA view of pinned memory)
   and the device tier, N pages on the model's device, with a PageCache (msa_kernels.host_tier) saying which host
-  page each holds, least recently used out.
+  page each holds, replaced by the CLOCK policy (least recently used, approximately).
 - A step's K/V writes go to the host pages and, where a device page holds a copy of the page, to the copy too.
   The prefill part's attention reads the host pages (prefill reads whole prompts once). The decode part's
-  selection is resolved to device pages (resolve: hits keep their page, misses take the least recently used),
+  selection is resolved to device pages (resolve: hits keep their page, misses take the slots the clock hand picks),
   the missed pages copied in (msa_kernels.ops.page_copier: only those cross PCIe), and the decode attention runs
   unchanged on the device pages with the resolved block table.
 
-Every kernel reads the same values as without the tier, so the tokens are the same (tests/test_host_tier_serving.py).
+Every kernel reads the same values as without the tier, so the tokens are the same (tests/test_host_tier.py,
+tests/test_vllm_engine.py -k host_tier).
 Counted in /metrics: vllm:msa_kv_device_tier_hits_total, _misses_total, vllm:msa_kv_host_to_device_bytes_total.
 Not with the tier (config.check_kv_device_pages refuses them by name): speculative decoding, KV connectors. A decode
 step through the tier has no host sync and no data-dependent shapes (resolve's torch ops, the page copy kernel, the
 tier's block table made in the step's workspace), so decode batches keep their full CUDA graphs.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -54,12 +56,14 @@ def page_shape(shape: MSAShape) -> tuple[int, int, int]:
 class LayerHostTier:
     """One MSA layer's K/V: host_pages [vLLM's pages, Hkv, B, 2D] in host memory (pinned on a GPU host), host_view
     the tensor the kernels read and write them through (its device view on a GPU, itself on CPU), device_pages
-    [N, Hkv, B, 2D] on the model's device and cache, the PageCache of which host page each holds."""
+    [N, Hkv, B, 2D] on the model's device and cache, the PageCache of which host page each holds; copy_pages what
+    copies the missed pages in on this device (chosen once)."""
 
     host_pages: torch.Tensor
     host_view: torch.Tensor
     device_pages: torch.Tensor
     cache: PageCache
+    copy_pages: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]  # ops.page_copier's choice
 
     @classmethod
     def allocate(
@@ -78,10 +82,21 @@ class LayerHostTier:
                 "pages by GPU memory, and with the tier an MSA layer's page takes almost none of it)"
             )
         pinned = device.type == "cuda"
+        if pinned:
+            free = torch.cuda.mem_get_info(device)[0]
+            if num_device_pages * page_bytes > free:
+                raise MSAConfigError(
+                    f"FLASH_MSA's host tier: this MSA layer's device tier of {num_device_pages} pages x {page_bytes} "
+                    f"bytes ({num_device_pages * page_bytes / 2**30:.2f} GiB) does not fit the "
+                    f"{free / 2**30:.2f} GiB free on {device} after vLLM's KV cache (and the layers' tiers before "
+                    "it): lower flash_msa_kv_device_pages, or leave room for the tiers with --kv-cache-memory-bytes "
+                    "or a lower --gpu-memory-utilization"
+                )
         host_pages = torch.empty((num_pages, *page), dtype=dtype, pin_memory=pinned)
         host_view = compat.device_view_of_host_tensor(host_pages) if pinned else host_pages
         device_pages = torch.empty((num_device_pages, *page), dtype=dtype, device=device)
-        return cls(host_pages, host_view, device_pages, PageCache.empty(num_device_pages, num_pages, device))
+        cache = PageCache.empty(num_device_pages, num_pages, device)
+        return cls(host_pages, host_view, device_pages, cache, ops.page_copier(device))
 
     @property
     def page_bytes(self) -> int:
@@ -98,9 +113,7 @@ class LayerHostTier:
         decode = plan.part("decode")
         assert decode is not None, "a step without decode tokens reads no device page"
         resolution = resolve(self.cache, step_blocks(decode.of(selected)), decode.batch.block_table)
-        ops.page_copier(self.device_pages.device)(
-            self.host_view, self.device_pages, resolution.copy_from, resolution.copy_to
-        )
+        self.copy_pages(self.host_view, self.device_pages, resolution.copy_from, resolution.copy_to)
         part = plan.workspace.launch("device tier part", _device_tier_part, decode)
         part.batch.block_table.copy_(resolution.block_table)
         return part, resolution.hits, resolution.misses
