@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from msa_kernels import reference
 from msa_kernels.host_tier import PageCache, copy_pages, resolve, step_blocks
@@ -174,6 +175,40 @@ def test_the_device_tier_keeps_the_clock_policy():
         assert cache.held.tolist() == clock.held and cache.referenced.tolist() == clock.referenced
         assert int(cache.hand) == clock.hand
     assert sum(h for h, _ in counts) > 0 and sum(m for _, m in counts[10:]) > 0  # both kinds, after the tier filled
+
+
+class HostReads(TorchDispatchMode):
+    """The ops dispatched inside the block that read a tensor's values back to the host (on a GPU: a sync, which a
+    CUDA graph cannot capture): .item() and tensors indexed by a tensor of one value, nonzero, masks as indices."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique", "aten.unique")
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        masks = name.startswith("aten.index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+        )
+        if name.startswith(self.SYNCING) or masks:
+            self.found.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_of_the_tier_reads_nothing_back_to_the_host():
+    """step_blocks, resolve and device_slots as a decode step runs them, evictions included: no op that syncs a GPU's
+    host (the served tier replays them in full CUDA graphs)."""
+    generator = torch.Generator().manual_seed(5)
+    cache = PageCache.empty(16, 40)
+    table = torch.arange(40, dtype=torch.int32).view(2, 20)
+    for _ in range(6):
+        selected = torch.randint(-1, 20, (2, 4, 2), dtype=torch.int32, generator=generator)
+        with HostReads() as reads:
+            resolve(cache, step_blocks(selected), table)
+            cache.device_slots(torch.tensor([5, 40, -1]), 4)
+        assert reads.found == []
 
 
 def test_a_device_tier_smaller_than_a_steps_blocks_is_refused():

@@ -132,7 +132,7 @@ def _clock_victims(cache: PageCache, slot_read: torch.Tensor, num_misses: torch.
     victims.scatter_(0, rank, order)
     place = torch.zeros(num_pages + 1, dtype=torch.int64, device=slot_read.device)  # where the hand finds victim i
     place.scatter_(0, rank, position)
-    last = place[(num_misses - 1).clamp(min=0)]  # where the hand takes the step's last victim
+    last = place.gather(0, (num_misses - 1).clamp(min=0).view(1))  # [1]: where the hand takes the step's last victim
     swept = num_misses > 0
     passed = swept & ((position <= last) | (num_misses > num_first))
     cache.referenced.scatter_(0, order, referenced & ~passed)
