@@ -261,6 +261,20 @@ def test_a_host_tier_flash_msa_cannot_serve_is_refused_by_name(pages, spec, conn
         check_kv_device_pages(vllm_config, shape)
 
 
+def test_host_tiers_past_the_host_memory_are_refused_by_name_before_any_is_allocated():
+    """The first MSA layer to allocate its tier checks the host memory all the model's tiers will take: pages that
+    one layer's tier fits but twenty do not are refused, naming the page count that fits."""
+    import psutil
+
+    from vllm_msa.host_tier import HOST_MEMORY_SHARE, LayerHostTier, page_shape
+
+    shape = MSAModelConfig.from_hf_config(_HF(msa_config=MSA)).layer_shape(_HF(msa_config=MSA))
+    page_bytes = torch.Size(page_shape(shape)).numel() * 2
+    pages = int(HOST_MEMORY_SHARE * psutil.virtual_memory().available / page_bytes / 10)
+    with pytest.raises(MSAConfigError, match=r"the K/V of 20 MSA layers .* --num-gpu-blocks-override at most \d+ "):
+        LayerHostTier.allocate(pages, 64, shape, torch.bfloat16, torch.device("cpu"), layers_to_allocate=20)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_device_tier_past_the_free_gpu_memory_is_refused_by_name():

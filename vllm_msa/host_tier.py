@@ -67,19 +67,29 @@ class LayerHostTier:
 
     @classmethod
     def allocate(
-        cls, num_pages: int, num_device_pages: int, shape: MSAShape, dtype: torch.dtype, device: torch.device
+        cls,
+        num_pages: int,
+        num_device_pages: int,
+        shape: MSAShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers_to_allocate: int = 1,
     ) -> "LayerHostTier":
-        """The tier of a layer whose placeholder cache vLLM bound with num_pages pages."""
+        """The tier of a layer whose placeholder cache vLLM bound with num_pages pages; layers_to_allocate: the MSA
+        layers of this process whose tiers are still to be allocated, this one included (each takes as much host
+        memory), so the first refuses what all of them would not fit, before any is pinned."""
         page = page_shape(shape)
         page_bytes = torch.Size(page).numel() * dtype.itemsize
         available = psutil.virtual_memory().available
-        if num_pages * page_bytes > HOST_MEMORY_SHARE * available:
-            fits = int(HOST_MEMORY_SHARE * available // page_bytes)
+        if layers_to_allocate * num_pages * page_bytes > HOST_MEMORY_SHARE * available:
+            fits = int(HOST_MEMORY_SHARE * available // (layers_to_allocate * page_bytes))
+            total = layers_to_allocate * num_pages * page_bytes
             raise MSAConfigError(
-                f"FLASH_MSA's host tier: this MSA layer's K/V would take {num_pages} pages x {page_bytes} bytes "
-                f"of host memory, past {HOST_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available: serve "
-                f"with --num-gpu-blocks-override at most {fits} divided by the number of MSA layers (vLLM sizes its "
-                "pages by GPU memory, and with the tier an MSA layer's page takes almost none of it)"
+                f"FLASH_MSA's host tier: the K/V of {layers_to_allocate} MSA layers would take {layers_to_allocate} x "
+                f"{num_pages} pages x {page_bytes} bytes ({total / 2**30:.1f} GiB) of host memory, past "
+                f"{HOST_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available: serve with "
+                f"--num-gpu-blocks-override at most {fits} (vLLM sizes its pages by GPU memory, and with the tier an "
+                "MSA layer's page takes almost none of it)"
             )
         pinned = device.type == "cuda"
         if pinned:

@@ -69,6 +69,7 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
         self.kv_device_pages = kv_device_pages(vllm_config)  # the host tier's device pages; None: no tier
+        self.model_layers = compat.attention_layers(vllm_config)  # the model's layers (to size the host tiers)
         self.host_tier: LayerHostTier | None = None  # allocated when vLLM binds the tier's placeholder cache
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         # True where the model's own pre-attention op stores the step's K/V and index keys (MiniMax-M3's fused
@@ -86,8 +87,18 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
     def kv_cache(self, cache: torch.Tensor) -> None:
         self._kv_cache = cache
         if self.kv_device_pages is not None and cache.numel():
+            waiting = [
+                layer
+                for layer in self.model_layers.values()
+                if isinstance(layer, MSAAttention) and layer.kv_device_pages is not None and layer.host_tier is None
+            ]
             self.host_tier = LayerHostTier.allocate(
-                cache.shape[0], self.kv_device_pages, self.shape, self.kv_cache_torch_dtype, cache.device
+                cache.shape[0],
+                self.kv_device_pages,
+                self.shape,
+                self.kv_cache_torch_dtype,
+                cache.device,
+                layers_to_allocate=max(1, len(waiting)),
             )
 
     def get_attn_backend(self) -> type[AttentionBackend]:
