@@ -30,6 +30,7 @@ from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import MSAShape, PagedBatch
 from serve.build_m3_model import PRESETS, build_m3_model, make_config
 from vllm_msa.config import (
+    KV_DEVICE_PAGES_OPTION,
     MSAConfigError,
     MSAModelConfig,
     check_minimax_m3_serving_config,
@@ -394,8 +395,9 @@ NEAR_TIE = 0.05  # vLLM's top-2 logprobs closer than this: either token is a fai
 LOGPROB_TOLERANCE = 0.1  # |ours - vLLM's| logprob of a shared greedy token (bf16 kernels: ~0.03 measured)
 
 
-def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None) -> dict:
-    """Generate in a fresh process: vLLM's own M3 (plugin not loaded) or FLASH_MSA; see _engine_main."""
+def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None, device_pages: int | None = None) -> dict:
+    """Generate in a fresh process: vLLM's own M3 (plugin not loaded) or FLASH_MSA, with device_pages: FLASH_MSA
+    with the host tier (that many device pages a layer, one request at a time); see _engine_main."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -407,6 +409,7 @@ def run_engine(model_dir, flash_msa: bool, compare_to: Path | None = None) -> di
         plugins = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")]
         assert "vllm_msa:register" in plugins, "the vllm_msa plugin is not installed here: pip install --no-deps ."
     args = [sys.executable, __file__, str(model_dir), "FLASH_MSA" if flash_msa else "", str(compare_to or "")]
+    args.append(str(device_pages or ""))
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, f"engine failed ({'FLASH_MSA' if flash_msa else 'vLLM'}):\n{out.stderr[-6000:]}"
     [result] = [line[len(RESULT) :] for line in out.stdout.splitlines() if line.startswith(RESULT)]
@@ -429,10 +432,11 @@ def first_difference(mine: list[int], theirs: list[int]) -> int | None:
     return next((step for step, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
 
 
-def _engine_main(model_dir: str, backend: str, compare_to: str) -> None:
+def _engine_main(model_dir: str, backend: str, compare_to: str, device_pages: str) -> None:
     """Greedy tokens of every prompt; with compare_to (the other engine's result), also this engine's own
     two execution paths of the context where the tokens first differ: that context (prompt + the shared
-    tokens) prefilled whole, then again as a chunk after its cached prefix blocks."""
+    tokens) prefilled whole, then again as a chunk after its cached prefix blocks. device_pages: the host tier
+    with that many device pages a layer, one request at a time."""
     import functools
     import random
 
@@ -456,6 +460,11 @@ def _engine_main(model_dir: str, backend: str, compare_to: str) -> None:
         kv_cache_memory_bytes=4 << 30,
         gpu_memory_utilization=0.3,
         seed=0,
+        **(
+            {"additional_config": {KV_DEVICE_PAGES_OPTION: int(device_pages)}, "max_num_seqs": 1}
+            if device_pages
+            else {}
+        ),
     )
     [model_class] = llm.apply_model(lambda model: f"{type(model).__module__}.{type(model).__name__}")
     [classes] = llm.apply_model(layer_classes)
@@ -543,5 +552,19 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not CUDA, reason="vLLM's MiniMax-M3 needs CUDA")
+def test_flash_msa_m3_with_the_host_tier_gives_its_tokens_without_it(m3_attention_model):
+    """MiniMax-M3 with its MSA layers' K/V in host memory (the host tier: vLLM's M3 fused norm/RoPE op then leaves
+    the cache writes to the layer) and a device tier of one request's pages a layer (Hi 4 x top-16 = 64; the
+    6000-token prompt's 47 blocks and the next prompts' evict): the same greedy tokens as FLASH_MSA without it,
+    decode steps on full CUDA graphs either way."""
+    plain = run_engine(m3_attention_model, flash_msa=True)
+    tiered = run_engine(m3_attention_model, flash_msa=True, device_pages=64)
+    assert tiered["cudagraph_mode"] == plain["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert tiered["tokens"] == plain["tokens"]
+
+
 if __name__ == "__main__":
-    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3])
+    _engine_main(*sys.argv[1:5])
