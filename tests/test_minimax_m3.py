@@ -557,9 +557,8 @@ def test_flash_msa_m3_greedy_tokens_equal_vllms_own_m3(m3_attention_model, tmp_p
 @pytest.mark.skipif(not CUDA, reason="vLLM's MiniMax-M3 needs CUDA")
 def test_flash_msa_m3_with_the_host_tier_gives_its_tokens_without_it(m3_attention_model):
     """MiniMax-M3 with its MSA layers' K/V in host memory (the host tier: vLLM's M3 fused norm/RoPE op then leaves
-    the cache writes to the layer) and a device tier of one request's pages a layer (Hi 4 x top-16 = 64; the
-    6000-token prompt's 47 blocks and the next prompts' evict): the same greedy tokens as FLASH_MSA without it,
-    decode steps on full CUDA graphs either way."""
+    the cache writes to the layer) and a device tier of one request's pages a layer (Hi 4 x top-16 = 64): the same
+    greedy tokens as FLASH_MSA without it, decode steps on full CUDA graphs either way."""
     plain = run_engine(m3_attention_model, flash_msa=True)
     tiered = run_engine(m3_attention_model, flash_msa=True, device_pages=64)
     assert tiered["cudagraph_mode"] == plain["cudagraph_mode"] == "FULL_AND_PIECEWISE"
