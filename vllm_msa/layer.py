@@ -69,7 +69,8 @@ class MSAAttention(nn.Module, compat.AttentionLayerBase):
             shape.num_index_key_heads, shape.index_head_dim, index_key_dtype, f"{prefix}.index_key_cache"
         )
         self.kv_device_pages = kv_device_pages(vllm_config)  # the host tier's device pages; None: no tier
-        self.model_layers = compat.attention_layers(vllm_config)  # the model's layers (to size the host tiers)
+        # The model's layers, to size the host tiers when vLLM binds the caches (with the tier only).
+        self.model_layers = compat.attention_layers(vllm_config) if self.kv_device_pages is not None else {}
         self.host_tier: LayerHostTier | None = None  # allocated when vLLM binds the tier's placeholder cache
         self.kv_cache = torch.tensor([])  # bound by vLLM's model runner
         # True where the model's own pre-attention op stores the step's K/V and index keys (MiniMax-M3's fused
