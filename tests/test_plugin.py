@@ -266,11 +266,10 @@ def test_host_tiers_past_the_host_memory_are_refused_by_name_before_any_is_alloc
     one layer's tier fits but twenty do not are refused, naming the page count that fits."""
     import psutil
 
-    from vllm_msa.host_tier import HOST_MEMORY_SHARE, LayerHostTier, page_shape
+    from vllm_msa.host_tier import HOST_MEMORY_SHARE, LayerHostTier, page_bytes
 
     shape = MSAModelConfig.from_hf_config(_HF(msa_config=MSA)).layer_shape(_HF(msa_config=MSA))
-    page_bytes = torch.Size(page_shape(shape)).numel() * 2
-    pages = int(HOST_MEMORY_SHARE * psutil.virtual_memory().available / page_bytes / 10)
+    pages = int(HOST_MEMORY_SHARE * psutil.virtual_memory().available / page_bytes(shape, torch.bfloat16) / 10)
     with pytest.raises(MSAConfigError, match=r"the K/V of 20 MSA layers .* --num-gpu-blocks-override at most \d+ "):
         LayerHostTier.allocate(pages, 64, shape, torch.bfloat16, torch.device("cpu"), layers_to_allocate=20)
 
@@ -280,12 +279,11 @@ def test_host_tiers_past_the_host_memory_are_refused_by_name_before_any_is_alloc
 def test_a_device_tier_past_the_free_gpu_memory_is_refused_by_name():
     """The host tier's device pages are allocated beside vLLM's KV budget: more than the GPU has free is refused
     naming the option and the flags that leave room, before anything is allocated."""
-    from vllm_msa.host_tier import LayerHostTier, page_shape
+    from vllm_msa.host_tier import LayerHostTier, page_bytes
 
     shape = MSAModelConfig.from_hf_config(_HF(msa_config=MSA)).layer_shape(_HF(msa_config=MSA))
     device = torch.device("cuda")
-    page_bytes = torch.Size(page_shape(shape)).numel() * 2
-    too_many = torch.cuda.mem_get_info(device)[0] // page_bytes + 1
+    too_many = torch.cuda.mem_get_info(device)[0] // page_bytes(shape, torch.bfloat16) + 1
     with pytest.raises(MSAConfigError, match=f"device tier of {too_many} pages.*lower flash_msa_kv_device_pages"):
         LayerHostTier.allocate(4, too_many, shape, torch.bfloat16, device)
     tier = LayerHostTier.allocate(4, 64, shape, torch.bfloat16, device)

@@ -52,6 +52,11 @@ def page_shape(shape: MSAShape) -> tuple[int, int, int]:
     return shape.num_kv_heads, shape.block_size, 2 * shape.head_dim
 
 
+def page_bytes(shape: MSAShape, dtype: torch.dtype) -> int:
+    """Bytes of one such page in this dtype."""
+    return torch.Size(page_shape(shape)).numel() * dtype.itemsize
+
+
 @dataclass
 class LayerHostTier:
     """One MSA layer's K/V: host_pages [vLLM's pages, Hkv, B, 2D] in host memory (pinned on a GPU host), host_view
@@ -79,14 +84,14 @@ class LayerHostTier:
         layers of this process whose tiers are still to be allocated, this one included (each takes as much host
         memory), so the first refuses what all of them would not fit, before any is pinned."""
         page = page_shape(shape)
-        page_bytes = torch.Size(page).numel() * dtype.itemsize
+        page_size = page_bytes(shape, dtype)
         available = psutil.virtual_memory().available
-        if layers_to_allocate * num_pages * page_bytes > HOST_MEMORY_SHARE * available:
-            fits = int(HOST_MEMORY_SHARE * available // (layers_to_allocate * page_bytes))
-            total = layers_to_allocate * num_pages * page_bytes
+        if layers_to_allocate * num_pages * page_size > HOST_MEMORY_SHARE * available:
+            fits = int(HOST_MEMORY_SHARE * available // (layers_to_allocate * page_size))
+            total = layers_to_allocate * num_pages * page_size
             raise MSAConfigError(
                 f"FLASH_MSA's host tier: the K/V of {layers_to_allocate} MSA layers would take {layers_to_allocate} x "
-                f"{num_pages} pages x {page_bytes} bytes ({total / 2**30:.1f} GiB) of host memory, past "
+                f"{num_pages} pages x {page_size} bytes ({total / 2**30:.1f} GiB) of host memory, past "
                 f"{HOST_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available: serve with "
                 f"--num-gpu-blocks-override at most {fits} (vLLM sizes its pages by GPU memory, and with the tier an "
                 "MSA layer's page takes almost none of it)"
@@ -94,10 +99,10 @@ class LayerHostTier:
         pinned = device.type == "cuda"
         if pinned:
             free = torch.cuda.mem_get_info(device)[0]
-            if num_device_pages * page_bytes > free:
+            if num_device_pages * page_size > free:
                 raise MSAConfigError(
-                    f"FLASH_MSA's host tier: this MSA layer's device tier of {num_device_pages} pages x {page_bytes} "
-                    f"bytes ({num_device_pages * page_bytes / 2**30:.2f} GiB) does not fit the "
+                    f"FLASH_MSA's host tier: this MSA layer's device tier of {num_device_pages} pages x {page_size} "
+                    f"bytes ({num_device_pages * page_size / 2**30:.2f} GiB) does not fit the "
                     f"{free / 2**30:.2f} GiB free on {device} after vLLM's KV cache (and the layers' tiers before "
                     "it): lower flash_msa_kv_device_pages, or leave room for the tiers with --kv-cache-memory-bytes "
                     "or a lower --gpu-memory-utilization"
