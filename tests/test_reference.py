@@ -5,6 +5,7 @@ import zlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from msa_kernels import ops
 from msa_kernels.ops import msa_attention
@@ -271,6 +272,39 @@ def test_padded_batch_tokens_sit_at_position_minus_one_and_select_nothing():
     assert batch.positions.tolist() == [299, 128, -1, -1]
     selected = topk_blocks(torch.randn(4, shape.num_index_heads, 3), batch.positions, shape)
     assert (selected[2:] == -1).all() and (selected[:2, :, 0] >= 0).all()
+
+
+class DeviceOps(TorchDispatchMode):
+    """The names of the ops dispatched inside the block that make or write a tensor (each a kernel on a GPU): views
+    left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func).removeprefix("aten."))
+        return func(*args, **(kwargs or {}))
+
+
+def test_token_requests_and_positions_take_eight_device_ops():
+    """A decode step computes them once for all its layers, but each op is a kernel launch on the step's path (and
+    in its CUDA graph): the token count shared, int32 throughout (no conversion), padding masked in place."""
+    batch = PagedBatch(
+        query_start_loc=torch.tensor([0, 1, 4, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 300, 0], dtype=torch.int32),
+        block_table=torch.zeros(3, 3, dtype=torch.int32),
+        query_start_loc_cpu=[0, 1, 4, 5],
+    )
+    with DeviceOps() as counted:
+        positions, requests = batch.positions, batch.token_requests
+    assert positions.tolist() == [9, 297, 298, 299, -1] and requests.tolist() == [0, 1, 1, 1, 2]
+    assert positions.dtype == requests.dtype == torch.int32
+    assert sorted(counted.ops) == sorted(
+        ["arange.default", "searchsorted.Tensor", "clamp_.default", "sub.Tensor", "index_select.default", "add_.Tensor"]
+        + ["ge.Tensor", "masked_fill_.Scalar"]
+    )
 
 
 def test_topk_blocks_takes_the_lower_block_among_equal_scores():

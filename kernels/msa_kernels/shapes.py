@@ -201,6 +201,11 @@ class PagedBatch:
         return self.query_start_loc_cpu[-1]
 
     @cached_property
+    def _tokens(self) -> torch.Tensor:
+        """0 .. num_tokens - 1 on the batch's device, int32: what token_requests and positions count from."""
+        return torch.arange(self.num_tokens, dtype=torch.int32, device=self.query_start_loc.device)
+
+    @cached_property
     def token_requests(self) -> torch.Tensor:
         """Request index of every query token, [num_tokens] int32.
 
@@ -208,20 +213,18 @@ class PagedBatch:
         record it and replay it on a padded batch: tokens past query_start_loc[-1] (padding) get
         the last request.
         """
-        tokens = torch.arange(self.num_tokens, dtype=self.query_start_loc.dtype, device=self.query_start_loc.device)
-        requests = torch.searchsorted(self.query_start_loc[1:], tokens, right=True, out_int32=True)
+        requests = torch.searchsorted(self.query_start_loc[1:], self._tokens, right=True, out_int32=True)
         return requests.clamp_(max=max(0, self.num_requests - 1))
 
     @cached_property
     def positions(self) -> torch.Tensor:
         """Position of every query token in its sequence, [num_tokens] int32 (as the kernels take it);
-        -1 for padding tokens."""
-        request = self.token_requests.long()
-        tokens = torch.arange(self.num_tokens, device=request.device)
-        q_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1])[request]
-        offset_in_query = tokens - self.query_start_loc[request]
-        positions = self.seq_lens[request] - q_lens + offset_in_query
-        return torch.where(tokens < self.query_start_loc[-1], positions, -1).to(torch.int32)
+        -1 for padding tokens. Token i of the step, of request r, sits at seq_lens[r] - query_start_loc[r + 1] + i
+        (r's last token at seq_lens[r] - 1): one subtraction a request, one gather and one addition a token, int32
+        throughout, then the padding masked."""
+        ends = self.query_start_loc[1:]
+        positions = (self.seq_lens - ends).index_select(0, self.token_requests).add_(self._tokens)
+        return positions.masked_fill_(self._tokens >= ends[-1:], -1)
 
     def request_tiles(self, tile_tokens: int) -> torch.Tensor:
         """[tiles, 3] int32 rows (request, first token, end token) on the batch's device: each request's
