@@ -372,6 +372,8 @@ def test_step_plan_splits_once_and_gives_each_part_its_rows_and_workspace():
     only_decodes = StepPlan.of(batch, num_decode_requests=6)  # a part without the other: all the rows, unsliced
     assert [part.phase for part in only_decodes.parts] == ["decode"] and only_decodes.parts[0].rows is None
     assert only_decodes.parts[0].of(rows) is rows and StepPlan.of(batch).num_decode_tokens == 2
+    assert only_decodes.positions is only_decodes.parts[0].batch.positions  # what its kernels computed
+    assert torch.equal(only_decodes.positions, batch.positions) and torch.equal(plan.positions, batch.positions)
 
 
 def test_split_counts_speculative_verification_requests_as_decodes():

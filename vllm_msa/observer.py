@@ -89,7 +89,7 @@ class StepObserver:
         if layer_name == last and self.layers[last].counts_selections:
             block_size = self.layers[last].shape.block_size
             assert self.stats is not None, "a layer call ends after its stage_clock"
-            self.stats.record(selected, batch.positions, block_size, plan.num_decode_tokens, layers=len(self.layers))
+            self.stats.record(selected, plan.positions, block_size, plan.num_decode_tokens, layers=len(self.layers))
             self.stats.publish()
         if (  # the capture query (a CUDA call) only where a selection is to be logged
             selection_log.labels_by_key

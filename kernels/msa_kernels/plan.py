@@ -147,6 +147,12 @@ class StepPlan:
         return next((part for part in self.parts if part.phase == phase), None)
 
     @property
+    def positions(self) -> torch.Tensor:
+        """Every query token's position, [T] int32 (PagedBatch.positions): a step of one phase has its part's, which
+        the part's kernels computed, so a decode step computes them once; a two-phase step the whole batch's."""
+        return self.parts[0].batch.positions if len(self.parts) == 1 else self.batch.positions
+
+    @property
     def num_decode_tokens(self) -> int:
         """Query tokens of the decode part: the step's first rows."""
         decode = self.part("decode")
