@@ -23,6 +23,7 @@ from msa_kernels.cute import (
     index_scores_fp8,
     index_scores_prefill,
     page_copy,
+    selection_stats,
     sparse_attn,
     sparse_attn_prefill,
     topk_blocks,
@@ -35,6 +36,7 @@ from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScore
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.page_copy import PageCopyKernel, PageCopyParams
 from msa_kernels.cute.runtime import compiled_kernel
+from msa_kernels.cute.selection_stats import SelectionStatsKernel, SelectionStatsParams
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
 from msa_kernels.cute.sparse_attn_prefill import PrefillAttentionKernel, PrefillAttentionParams
 from msa_kernels.cute.topk_blocks import TopkBlocksKernel, TopkBlocksParams
@@ -699,6 +701,57 @@ def test_page_copy_kernel_copies_the_missed_pages_from_pinned_host_memory_also_r
     graph.replay()
     torch.cuda.synchronize()
     check(copy_from, copy_to, before)
+
+
+@pytest.mark.parametrize("topk, block_size", [(16, 128), (8, 64)])
+def test_selection_stats_kernel_compiles_for_sm90a(topk, block_size, sm90a):
+    compiles_and_caches(SelectionStatsKernel, SelectionStatsParams(topk, block_size), sm90a)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, decode_tokens, padding",
+    [(32, 32, 0), (32, 24, 5), (40, 8, 0), (3000, 0, 0)],
+    ids=["decode", "decode-padded", "mixed", "prefill"],
+)
+def test_selection_stats_kernel_adds_what_the_reference_adds_also_replayed_from_a_cuda_graph(
+    num_tokens, decode_tokens, padding
+):
+    """M3's selection shape (Hi 4, K 16, 128-token blocks): the kernel's totals against the PyTorch path's, added
+    twice eagerly, then captured in a CUDA graph and replayed on a new selection (the integer counts exact, the
+    read-fraction sum to rounding: the kernel adds in another order)."""
+    from msa_kernels.selection_stats import SELECTION_FIELDS, add_selection_stats
+    from tests.test_reference import random_selection
+
+    generator = torch.Generator().manual_seed(num_tokens + padding)
+    selected, positions = random_selection(num_tokens, 4, 16, 128, generator, padding=padding)
+    selected, positions = selected.cuda(), positions.cuda()
+    fields = len(SELECTION_FIELDS)
+    fraction_sum = SELECTION_FIELDS.index("read_fraction_sum")
+    args = (128, decode_tokens, 57)  # block size, decode tokens, layers
+
+    def check(totals, want):
+        exact = [i for i in range(fields) if i != fraction_sum]
+        assert torch.equal(totals[exact].cpu(), want[exact].cpu())
+        assert torch.isclose(totals[fraction_sum], want[fraction_sum], rtol=1e-12)
+
+    totals, want = (torch.zeros(fields, dtype=torch.float64, device="cuda") for _ in range(2))
+    for _ in range(2):
+        selection_stats.add_selection_stats(totals, selected, positions, *args)
+        add_selection_stats(want, selected, positions, *args)
+    check(totals, want)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        selection_stats.add_selection_stats(totals, selected, positions, *args)
+    new_selected, new_positions = random_selection(num_tokens, 4, 16, 128, generator, padding=padding)
+    selected.copy_(new_selected)
+    positions.copy_(new_positions)
+    graph.replay()
+    add_selection_stats(want, selected, positions, *args)
+    torch.cuda.synchronize()
+    check(totals, want)
 
 
 # Positions: padding (-1), the first block, fewer blocks than k, block edges, off the 128 grid, 136K

@@ -1,5 +1,6 @@
 """msa_kernels.reference against the spec written out token by token, and against dense attention; PagedBatch
-(positions, tiles, the decode/prefill split) and msa_kernels.ops on batches that mix decodes and prefills."""
+(positions, tiles, the decode/prefill split), msa_kernels.ops on batches that mix decodes and prefills, and the
+metrics' selection totals (msa_kernels.selection_stats) against their definition."""
 
 import zlib
 
@@ -20,6 +21,7 @@ from msa_kernels.reference import (
     topk_blocks,
     write_paged,
 )
+from msa_kernels.selection_stats import READ_FRACTION_BUCKETS, SELECTION_FIELDS, add_selection_stats
 from msa_kernels.shapes import PagedBatch
 from msa_kernels.testing import bound_kv_cache, make_case, small_shape
 from tests.naive_msa import naive_msa
@@ -470,3 +472,60 @@ def test_select_blocks_scores_a_long_prefill_in_token_chunks_with_the_same_selec
     prefill = case.plan.parts[1].batch
     assert len(ops._score_chunks(prefill, shape)) == -(-prefill.num_tokens // 10)
     assert torch.equal(ops.select_blocks(case.index_q, case.index_key_cache, case.plan, shape), whole)
+
+
+def selection_totals_by_definition(selected, positions, block_size, decode_tokens, layers):
+    """msa_kernels.selection_stats' module docstring, selection by selection in Python."""
+    totals = dict.fromkeys(SELECTION_FIELDS, 0.0)
+    for token, heads in enumerate(selected.tolist()):
+        position = int(positions[token])
+        for blocks in heads:
+            if position < 0:
+                continue
+            count = sum(block >= 0 for block in blocks)
+            read = count * block_size - (block_size - 1 - position % block_size)
+            fraction = read / (position + 1)
+            bucket = next(
+                (f"read_fraction_le_{b}" for b in READ_FRACTION_BUCKETS if fraction <= b), "read_fraction_inf"
+            )
+            for field, value in [
+                ("selections", 1),
+                ("decode_selections", token < decode_tokens),
+                ("selected_blocks", count),
+                ("context_tokens", position + 1),
+                ("read_tokens", read),
+                ("read_fraction_sum", fraction),
+                (bucket, 1),
+            ]:
+                totals[field] += value * layers
+    return torch.tensor([totals[field] for field in SELECTION_FIELDS], dtype=torch.float64)
+
+
+def random_selection(num_tokens, num_heads, topk, block_size, generator, padding=0):
+    """Selections as top-k leaves them: each token's own block, then up to topk - 1 earlier ones (-1 past the
+    visible blocks); positions across a few blocks, the last `padding` tokens a CUDA graph's (-1)."""
+    positions = torch.randint(0, 12 * block_size, (num_tokens,), generator=generator, dtype=torch.int32)
+    positions[num_tokens - padding :] = -1
+    selected = torch.full((num_tokens, num_heads, topk), -1, dtype=torch.int32)
+    for token, position in enumerate(positions.tolist()):
+        own = max(position, 0) // block_size
+        for head in range(num_heads):
+            earlier = torch.randperm(own, generator=generator)[: torch.randint(0, topk, (1,), generator=generator)]
+            selected[token, head, : 1 + len(earlier)] = torch.cat([torch.tensor([own]), earlier])
+    return selected, positions
+
+
+def test_selection_totals_add_each_selection_as_the_metrics_define_it():
+    """Decode tokens then prefill tokens then padding, selections full and short (fewer blocks than k), added twice:
+    the integer counts exact, the read-fraction sum to rounding."""
+    generator = torch.Generator().manual_seed(7)
+    selected, positions = random_selection(40, 3, 5, 16, generator, padding=4)
+    totals = torch.zeros(len(SELECTION_FIELDS), dtype=torch.float64)
+    for _ in range(2):
+        add_selection_stats(totals, selected, positions, block_size=16, decode_tokens=10, layers=3)
+    want = 2 * selection_totals_by_definition(selected, positions, 16, 10, 3)
+    fraction_sum = SELECTION_FIELDS.index("read_fraction_sum")
+    exact = [i for i in range(len(SELECTION_FIELDS)) if i != fraction_sum]
+    assert torch.equal(totals[exact], want[exact]) and want[0] == 2 * 3 * 36 * 3
+    assert torch.isclose(totals[fraction_sum], want[fraction_sum], rtol=1e-12)
+    assert (want[fraction_sum + 1 :] > 0).sum() >= 3  # the selections fall in several buckets

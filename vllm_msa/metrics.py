@@ -31,11 +31,12 @@ events read back once the GPU has passed them (no sync; calls replayed from a CU
 or the host clock on CPU.
 
 Which layer call records and publishes, on which rank, is decided in observer.py (StepObserver).
-Cost: per step about a dozen small tensor ops on the last MSA layer's [T, Hi, K] selection, counted
-for every MSA layer of the process (each selects min(K, visible blocks) blocks per token and index
-head, whatever the scores), on its device and without a host sync, so a CUDA graph records them
-(its padding tokens count nothing); on a 2-core CPU 0.23 ms for an 8-token decode step, 0.5 ms for a 2048-token
-chunk. With an FP8 K/V cache, each MSA layer call of a step with prompt tokens adds five ops counting its
+Cost: per step, on the last MSA layer's [T, Hi, K] selection, the selection totals counted for every MSA layer of
+the process (each selects min(K, visible blocks) blocks per token and index head, whatever the scores), on its
+device and without a host sync, so a CUDA graph records them (its padding tokens count nothing): one kernel launch
+on Hopper (msa_kernels/cute/selection_stats.py), elsewhere ~35 small PyTorch ops (msa_kernels/selection_stats.py;
+on a 2-core CPU 0.23 ms for an 8-token decode step, 0.5 ms for a 2048-token
+chunk). With an FP8 K/V cache, each MSA layer call of a step with prompt tokens adds five ops counting its
 saturated K/V values (never in a decode-only step): 0.28 ms for a 2048-token chunk of the demo's K/V on that
 CPU (results/README.md, "Cost of the sparse-layer metrics"). Then, once per step, the 18 device totals and 3 timing
 totals (float64) are copied into the file: a memcpy on CPU, on CUDA an asynchronous copy into pinned memory
@@ -59,12 +60,18 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from vllm.logger import init_logger
 
+from msa_kernels import ops
 from msa_kernels.fp8_index_keys import E4M3_MAX
+from msa_kernels.selection_stats import (
+    READ_FRACTION_BUCKETS,
+    READ_FRACTION_FIELDS,
+    SELECTION_COUNTERS,
+    SELECTION_FIELDS,
+)
 
 logger = init_logger("vllm.msa")  # under "vllm" so vLLM's log handlers print it
 
 DIR_ENV = "FLASH_MSA_METRICS_DIR"  # not VLLM_*: vLLM (since 0.32) warns at start-up about VLLM_* names it does not know
-READ_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 COUNTERS = {
     "selections": "Top-k block selections by FLASH_MSA layers (one per query token, MSA layer and index head).",
     "decode_selections": "Selections of query tokens that ran the decode kernels (decode requests and speculative "
@@ -81,7 +88,6 @@ COUNTERS = {
     "kv_device_tier_misses": "K/V pages decode steps of MSA layers copied into their device tier from host memory.",
     "kv_host_to_device_bytes": "Bytes of those copies (misses x page bytes).",
 }
-SELECTION_COUNTERS = 5  # the first COUNTERS, which record() adds; kv_saturated: count_saturated()
 TIMING = {
     "timed_layer_calls": "FLASH_MSA layer calls timed (one in SAMPLE_EVERY eager calls).",
     "selection_seconds": "Index scores + top-k time of the timed calls; divided by it plus "
@@ -89,12 +95,13 @@ TIMING = {
     "attention_seconds": "Sparse attention time of the timed calls.",
 }
 SAMPLE_EVERY = 16
-# File layout (float64): the counters, the read-fraction sum, one count per bucket plus +Inf (the
-# device totals), then the timing (host totals).
-HISTOGRAM = ("read_fraction_sum", *(f"read_fraction_le_{b}" for b in READ_FRACTION_BUCKETS), "read_fraction_inf")
-FIELDS = (*COUNTERS, *HISTOGRAM, *TIMING)
-DEVICE_FIELDS = len(COUNTERS) + len(HISTOGRAM)
-COUNTERS_INDEX = {name: i for i, name in enumerate(COUNTERS)}
+# File layout (float64): the device totals, first the selections' (msa_kernels.selection_stats: its counters, the
+# read-fraction sum, one count per bucket plus +Inf, which one launch adds), then the other counters; then the timing
+# (host totals).
+assert tuple(COUNTERS)[: len(SELECTION_COUNTERS)] == SELECTION_COUNTERS
+DEVICE_FIELDS = (*SELECTION_FIELDS, *tuple(COUNTERS)[len(SELECTION_COUNTERS) :])
+FIELDS = (*DEVICE_FIELDS, *TIMING)
+FIELDS_INDEX = {name: i for i, name in enumerate(FIELDS)}
 HEADER_BYTES = 4096  # JSON header, space padded; the values follow
 FILE_SUFFIX = ".msa-metrics"
 
@@ -129,11 +136,11 @@ class StepStats:
 
     def __init__(self, device: torch.device, model_name: str) -> None:
         self.device = device
-        self.totals = torch.zeros(DEVICE_FIELDS, dtype=torch.float64, device=device)
-        self.bounds = torch.tensor(READ_FRACTION_BUCKETS, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(len(DEVICE_FIELDS), dtype=torch.float64, device=device)
+        self.add_selection_stats = ops.selection_stats_adder(device)
         self.file_values = _create_file(model_name)
         on_cpu = device.type == "cpu"
-        self.staging = None if on_cpu else torch.empty(DEVICE_FIELDS, dtype=torch.float64, pin_memory=True)
+        self.staging = None if on_cpu else torch.empty(len(DEVICE_FIELDS), dtype=torch.float64, pin_memory=True)
         self.copied: torch.Event | None = None
         self.calls = 0
         self.clocks: list[StageClock] = []  # timed calls not yet read back
@@ -153,41 +160,20 @@ class StepStats:
     ) -> None:
         """selected [T, Hi, K] logical block ids (-1 = none), positions [>= T] of the query tokens, the first
         decode_tokens of them the step's decode part; counted for `layers` MSA layers that selected as many
-        blocks."""
-        num_tokens, num_heads, _ = selected.shape
-        if num_tokens == 0:
-            return
-        pos = positions[:num_tokens]
-        real = (pos >= 0)[:, None].expand(num_tokens, num_heads)  # CUDA-graph padding has position -1
-        blocks = (selected >= 0).sum(-1)  # [T, Hi]; the query's own block is always among them
-        context = (pos + 1)[:, None].expand(num_tokens, num_heads)
-        own_block_unseen = block_size - 1 - pos % block_size  # its keys after the query
-        read = (blocks * block_size - own_block_unseen[:, None]).where(real, 0)
-        fraction = (read.double() / context.clamp(min=1)).flatten()
-        sums = torch.stack(  # in COUNTERS' order
-            [
-                real.sum(),
-                real[:decode_tokens].sum(),
-                blocks.where(real, 0).sum(),
-                context.where(real, 0).sum(),
-                read.sum(),
-            ]
-        )
-        totals, counters = self.totals, len(COUNTERS)
-        totals[:SELECTION_COUNTERS] += sums.double() * layers
-        totals[counters] += fraction.sum() * layers
-        totals[counters + 1 :].index_add_(0, torch.bucketize(fraction, self.bounds), real.flatten().double() * layers)
+        blocks (msa_kernels.selection_stats)."""
+        selection_totals = self.totals[: len(SELECTION_FIELDS)]
+        self.add_selection_stats(selection_totals, selected, positions, block_size, decode_tokens, layers)
 
     def count_saturated(self, key: torch.Tensor, value: torch.Tensor, kv_scales: tuple[float, float]) -> None:
         """Add the values of key/value that an FP8 K/V cache with scales (k_scale, v_scale) stores saturated (at
         +-E4M3_MAX x scale, as reference.write_paged and vLLM's cache op write them)."""
         k_scale, v_scale = kv_scales
         saturated = (key.abs() > E4M3_MAX * k_scale).sum() + (value.abs() > E4M3_MAX * v_scale).sum()
-        self.totals[COUNTERS_INDEX["kv_saturated"]] += saturated
+        self.totals[FIELDS_INDEX["kv_saturated"]] += saturated
 
     def count_host_tier(self, hits: torch.Tensor, misses: torch.Tensor, page_bytes: int) -> None:
         """Add a layer call's device-tier hits and misses ([] int32 on the device) and the bytes its misses copied."""
-        first = COUNTERS_INDEX["kv_device_tier_hits"]
+        first = FIELDS_INDEX["kv_device_tier_hits"]
         counts = torch.stack([hits, misses]).double()
         self.totals[first : first + 2] += counts
         self.totals[first + 2] += counts[1] * page_bytes
@@ -196,13 +182,13 @@ class StepStats:
         if self.file_values is None or (self.staging is not None and torch.cuda.is_current_stream_capturing()):
             return
         self._read_clocks()
-        self.file_values[DEVICE_FIELDS:] = torch.from_numpy(self.timing)
+        self.file_values[len(DEVICE_FIELDS) :] = torch.from_numpy(self.timing)
         if self.staging is None:
-            self.file_values[:DEVICE_FIELDS].copy_(self.totals)
+            self.file_values[: len(DEVICE_FIELDS)].copy_(self.totals)
             self._warn_saturated()
             return
         if self.copied is not None and self.copied.query():
-            self.file_values[:DEVICE_FIELDS].copy_(self.staging)
+            self.file_values[: len(DEVICE_FIELDS)].copy_(self.staging)
             self.copied = None
             self._warn_saturated()
         if self.copied is None:
@@ -213,7 +199,7 @@ class StepStats:
     def _warn_saturated(self) -> None:
         """Once per process, when the file first shows saturated K/V values."""
         assert self.file_values is not None  # publish writes the file first
-        saturated = int(self.file_values[COUNTERS_INDEX["kv_saturated"]])
+        saturated = int(self.file_values[FIELDS_INDEX["kv_saturated"]])
         if saturated and not self.warned_saturated:
             self.warned_saturated = True
             logger.warning(
@@ -298,11 +284,12 @@ class MSACollector:
         )
         for model_name, values in sorted(read_totals(self.directory).items()):
             for name, family in counters.items():
-                family.add_metric([model_name], float(values[FIELDS.index(name)]))
-            cumulative = np.cumsum(values[len(COUNTERS) + 1 : DEVICE_FIELDS])
+                family.add_metric([model_name], float(values[FIELDS_INDEX[name]]))
+            fraction_sum = FIELDS_INDEX[READ_FRACTION_FIELDS[0]]
+            cumulative = np.cumsum(values[fraction_sum + 1 : fraction_sum + len(READ_FRACTION_FIELDS)])
             bounds = [str(b) for b in READ_FRACTION_BUCKETS] + ["+Inf"]
             fraction.add_metric(
-                [model_name], list(zip(bounds, cumulative.tolist())), sum_value=float(values[len(COUNTERS)])
+                [model_name], list(zip(bounds, cumulative.tolist())), sum_value=float(values[fraction_sum])
             )
         yield from counters.values()
         yield fraction

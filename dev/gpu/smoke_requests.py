@@ -9,10 +9,13 @@ A line per check, PASS or FAIL, exit status 1 if any failed:
                  reply holds the key is printed, not checked (needle-msa was never trained on the chat format)
   bad request    max_tokens -3: a 400 whose error message names max_tokens; then the server still answers
   completions    token-id prompts of the PROMPTS lengths, greedy, 32 tokens each: usage counts them
+  metrics        /metrics after them: FLASH_MSA's selections counted (decode and prompt tokens both), each in one
+                 bucket of the read-fraction histogram, at least one block each
 """
 
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -87,6 +90,20 @@ def main() -> int:
         usage = reply.get("usage", {}) if status == 200 else reply
         ok = status == 200 and usage.get("prompt_tokens") == n and usage.get("completion_tokens", 0) > 0
         check(f"completion of {n} tokens", ok, f"HTTP {status}, {usage}, {dt:.2f} s")
+
+    with urllib.request.urlopen(URL + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    counts = {
+        name: sum(float(value) for value in re.findall(rf"^vllm:msa_{name}{{[^}}]*}} (\S+)$", text, re.M))
+        for name in ("selections_total", "decode_selections_total", "selected_blocks_total", "read_fraction_count")
+    }
+    selections = counts["selections_total"]
+    check(
+        "metrics",
+        0 < counts["decode_selections_total"] < selections == counts["read_fraction_count"]
+        and counts["selected_blocks_total"] >= selections,
+        str(counts),
+    )
 
     failed = [name for name, ok, _ in results if not ok]
     print(

@@ -333,6 +333,18 @@ def _index_key_writer(
     return reference.write_index_keys
 
 
+def selection_stats_adder(device: torch.device) -> Callable[..., None]:
+    """What adds a step's selections to the metrics' totals (msa_kernels.selection_stats.add_selection_stats'
+    contract) on this device: the CuTeDSL kernel on Hopper (one launch), else the PyTorch path."""
+    if _on_hopper(device):
+        from msa_kernels.cute import selection_stats as cute_selection_stats
+
+        return cute_selection_stats.add_selection_stats
+    from msa_kernels import selection_stats
+
+    return selection_stats.add_selection_stats
+
+
 def page_copier(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """What copies a host tier's missed pages into its device pages (msa_kernels.host_tier.copy_pages' contract) on
     this device: the CuTeDSL kernel on Hopper (no host sync: only the pages missed cross PCIe), else the reference."""
