@@ -8,6 +8,8 @@ Each engine runs once per module (they take ~40 s to start here) and the tests c
   msa_plain   same model, prefix caching off, chunked prefill off
   msa_ngram   as msa_plain, with n-gram speculative decoding (3 drafted tokens a step) on prompts of
               repeated text: must give msa_plain's tokens, every verification step on the decode kernels
+  msa_eagle   as msa_ngram with an EAGLE draft (serve/build_eagle_draft.py: vLLM's EagleLlamaForCausalLM,
+              untrained) proposing the 3 tokens: msa_plain's tokens, every drafted token verified on the decode kernels
   msa_tight   as msa, with a KV cache of 36 pages for 10 concurrent 500-1400-token requests, so the
               scheduler must preempt; each request's tokens must equal running it alone (in msa)
   msa_host_tier  as msa, the MSA layers' K/V in host memory and 32 device pages a layer (the host tier,
@@ -256,6 +258,19 @@ def msa_ngram(demo_model, repetitive_prompts):
     return tokens, metrics
 
 
+@pytest.fixture(scope="module")
+def msa_eagle(demo_model, repetitive_prompts, tmp_path_factory):
+    """The repetitive prompts' tokens with an EAGLE draft's speculation, and the metrics."""
+    from serve.build_eagle_draft import build
+
+    draft = build(demo_model, tmp_path_factory.mktemp("models") / "eagle-draft")
+    eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 3}
+    with engine(demo_model, **PLAIN, speculative_config=eagle, disable_log_stats=False) as llm:
+        tokens = greedy(llm, repetitive_prompts, NGRAM_MAX_TOKENS)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return tokens, metrics
+
+
 def test_topk_covering_all_blocks_equals_vllm_dense_backend(dense_tokens, msa_full_k_tokens):
     assert msa_full_k_tokens == dense_tokens
 
@@ -308,6 +323,25 @@ def test_ngram_speculation_gives_the_greedy_tokens_without_it_and_verifies_on_th
     # from a draft (more where a step accepted past max_tokens), plus every drafted token.
     computed = metrics["vllm:msa_selections"] / MSA_SELECTIONS_PER_TOKEN
     assert decode_tokens == computed - sum(map(len, repetitive_prompts))
+
+
+def test_an_eagle_drafts_speculation_gives_the_greedy_tokens_without_it(
+    repetitive_prompts, msa_plain_tokens, msa_eagle
+):
+    """vLLM's EAGLE proposer over a FLASH_MSA target (its draft on vLLM's own attention backend): every step drafts 3
+    tokens, which the target verifies on the decode kernels; the untrained draft's proposals are rarely accepted,
+    and the tokens are the target's alone."""
+    _, plain, _ = msa_plain_tokens
+    tokens, metrics = msa_eagle
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    print(f"\nEAGLE speculation (untrained draft): {accepted:.0f} of {drafted:.0f} drafted tokens accepted")
+    steps = metrics["vllm:spec_decode_num_drafts"]
+    assert steps > 0 and drafted == 3 * steps
+    for i, (got, want) in enumerate(zip(tokens, plain)):
+        assert got == want, i
+    decode_tokens = metrics["vllm:msa_decode_selections"] / MSA_SELECTIONS_PER_TOKEN
+    computed = metrics["vllm:msa_selections"] / MSA_SELECTIONS_PER_TOKEN
+    assert decode_tokens == computed - sum(map(len, repetitive_prompts))  # every token past the prompts
     assert decode_tokens >= len(repetitive_prompts) * (NGRAM_MAX_TOKENS - 1) - accepted + drafted
 
 

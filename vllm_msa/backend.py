@@ -184,13 +184,15 @@ class FlashMSAMetadataBuilder(StepMetadataBuilder[FlashMSAMetadata]):
 
 class FlashMSAImpl(AttentionImpl[FlashMSAMetadata]):
     """What vLLM builds for a plain attention layer routed to FLASH_MSA (FlashMSABackend.get_impl_cls): refused.
-    FLASH_MSA's models build their plain layers on the platform's backend; a model without MSA layers has none."""
+    FLASH_MSA's models build their plain layers on the platform's backend; a model without MSA layers has none, nor
+    has a speculative draft (EAGLE) that is given a backend of its own."""
 
     def __new__(cls, *args: object, **kwargs: object) -> "FlashMSAImpl":
         raise NotImplementedError(
             "FLASH_MSA runs the MSA layers of MSA models (FlashMSAForCausalLM, MiniMax-M3), whose plain attention "
             "layers run vLLM's own backend; this model's attention layers are plain: serve it without "
-            "--attention-backend FLASH_MSA"
+            "--attention-backend FLASH_MSA. A speculative draft model (EAGLE) has plain layers too: give it a backend "
+            'of its own in --speculative-config (e.g. "attention_backend": "FLASH_ATTN")'
         )
 
 
