@@ -1,9 +1,9 @@
-"""Build an EAGLE draft for a FLASH_MSA checkpoint: vLLM's EagleLlamaForCausalLM, one Llama decoder layer over
-[token embedding, the target's last hidden state] (fc), the target's embedding and LM head shared (left out of the
-draft). Seeded and untrained: the layer's weights are small random ones and fc passes the target's hidden state
-through, so the draft proposes roughly what the target's last position predicted and few proposals are accepted;
-what it shows is speculation's plumbing (drafts verified on FLASH_MSA's decode kernels, greedy tokens unchanged),
-not its speed-up.
+"""Build an EAGLE draft for a FLASH_MSA checkpoint (FlashMSAForCausalLM or MiniMax-M3): vLLM's
+EagleLlamaForCausalLM, one Llama decoder layer over [token embedding, the target's last hidden state] (fc), the
+target's embedding and LM head shared (left out of the draft). Seeded and untrained: the layer's weights are small
+random ones and fc passes the target's hidden state through, so the draft proposes roughly what the target's last
+position predicted and few proposals are accepted; what it shows is speculation's plumbing (drafts verified on
+FLASH_MSA's decode kernels, greedy tokens unchanged), not its speed-up.
 
     python3 serve/build_eagle_draft.py TARGET_DIR OUT_DIR [--seed 0]
     vllm serve TARGET_DIR --attention-backend FLASH_MSA \\
@@ -35,11 +35,13 @@ COPIED = (
 
 
 def draft_config(target: dict) -> dict:
-    """The draft's config.json from the target's: its vocabulary and hidden size, one layer of 128-wide heads."""
-    hidden = target["hidden_size"]
+    """The draft's config.json from the target's (a MiniMax-M3 checkpoint's text_config): its vocabulary and hidden
+    size, one layer of 128-wide heads."""
+    text = {**target, **target.get("text_config", {})}
+    hidden = text["hidden_size"]
     head_dim = min(HEAD_DIM, hidden)
     heads = hidden // head_dim
-    config = {key: target[key] for key in COPIED if key in target}
+    config = {key: text[key] for key in COPIED if key in text}
     config.update(
         architectures=["EagleLlamaForCausalLM"],
         model_type="llama",
