@@ -1,5 +1,5 @@
-"""FLASH_MSA inside real vLLM engines (CPU, LLM class, greedy) on the demo checkpoint; on a GPU, n-gram
-speculation under CUDA graphs (the last test).
+"""FLASH_MSA inside real vLLM engines (CPU, LLM class, greedy) on the demo checkpoint; on a GPU, n-gram and EAGLE
+speculation and the host tier under CUDA graphs (the last tests).
 
 Each engine runs once per module (they take ~40 s to start here) and the tests compare their tokens:
   dense       every layer dense, vLLM's own CPU attention backend
@@ -595,6 +595,36 @@ def test_ngram_verification_replays_full_cuda_graphs_and_keeps_the_greedy_tokens
     drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
     print(f"\nn-gram speculation: {accepted:.0f} of {drafted:.0f} drafted tokens accepted")
     assert accepted > 0
+    assert_the_greedy_tokens_up_to_near_ties(spec, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eagle_verification_replays_full_cuda_graphs_and_keeps_the_greedy_tokens(
+    repetitive_prompts, tmp_path, monkeypatch
+):
+    """As the n-gram test above, with an untrained EAGLE draft (serve/build_eagle_draft.py) on vLLM's FlashAttention
+    (the draft's own attention_backend: its layers are plain): the target verifies 1 + 3 tokens a request in full
+    CUDA graphs and keeps its greedy tokens (up to near ties)."""
+    from serve.build_demo_model import PRESETS, build_demo_model
+    from serve.build_eagle_draft import build
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as in the n-gram test above
+    model = build_demo_model(tmp_path / "m3-attention-demo", **PRESETS["m3-attention"])
+    draft = build(model, tmp_path / "eagle-draft")
+    eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 3, "attention_backend": "FLASH_ATTN"}
+    plain, _, _ = greedy_with_cuda_graphs(model, repetitive_prompts, logprobs=2, **PLAIN)
+    spec, spec_graphs, metrics = greedy_with_cuda_graphs(model, repetitive_prompts, **PLAIN, speculative_config=eagle)
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    print(f"\nEAGLE speculation (untrained draft): {accepted:.0f} of {drafted:.0f} drafted tokens accepted")
+    assert 1 + eagle["num_speculative_tokens"] in spec_graphs and drafted > 0
+    assert_the_greedy_tokens_up_to_near_ties(spec, plain)
+
+
+def assert_the_greedy_tokens_up_to_near_ties(spec, plain):
+    """Each completion with speculation equals the one without up to its first differing token, and there the plain
+    run's top-2 are a near tie (bf16 rounds a verification batch's GEMMs and split-K differently)."""
     for p, (got, want) in enumerate(zip(spec, plain)):
         step = next((s for s, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
         if step is not None:
