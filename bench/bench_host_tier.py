@@ -4,9 +4,10 @@
         (GPU machine, serving kit: vLLM's view of pinned memory; --device cpu runs the steps on CPU tensors and checks
         the misses they count: a check, not a timing)
 
-M3's attention shapes at decode, one layer call, as the tier serves it: step_blocks + resolve (msa_kernels.host_tier:
-torch ops of fixed shapes), the page copy (msa_kernels.ops.page_copier: the CuTeDSL kernel on Hopper, reading the
-missed pages from pinned host memory through their device view), the write-through slots of the step's K/V
+M3's attention shapes at decode, one layer call, as the tier serves it: the step resolved
+(msa_kernels.ops.page_resolver: the CuTeDSL kernel on Hopper; beside it, in the same run, the torch ops of
+msa_kernels.host_tier.resolve_step), the page copy (msa_kernels.ops.page_copier: the CuTeDSL kernel on Hopper, reading
+the missed pages from pinned host memory through their device view), the write-through slots of the step's K/V
 (PageCache.device_slots) and the resolved block table into the step's buffer: "tier steps" below. Beside it the
 layer's sparse attention on the same batch (split-K + combine), which the tier steps come on top of.
 
@@ -25,8 +26,8 @@ import torch
 
 from bench.problems import M3_SHAPE, SCALE, paged_problem
 from bench.timing import graph_timed, timed
-from msa_kernels import ops
-from msa_kernels.host_tier import PageCache, resolve, step_blocks
+from msa_kernels import host_tier, ops
+from msa_kernels.host_tier import PageCache
 from msa_kernels.plan import StepPlan
 from msa_kernels.shapes import PagedBatch
 
@@ -58,7 +59,7 @@ class TierSteps:
     """One layer's host tier for `requests` decodes: host pages (pinned on a GPU) for the blocks the selections read,
     a device tier of one step's pages, and the tier steps of a layer call."""
 
-    def __init__(self, requests: int, blocks: int, misses: int, device: str):
+    def __init__(self, requests: int, blocks: int, misses: int, device: str, resolver: str):
         shape = M3_SHAPE
         width = shape.num_index_heads * shape.topk_blocks
         used = width + ROTATION * misses  # the blocks a request's selections name
@@ -83,14 +84,15 @@ class TierSteps:
         self.tier_table = torch.empty_like(self.host_table)
         self.slots = (self.host_table[:, 0].long() * shape.block_size).contiguous()  # each request's new token
         self.copy = ops.page_copier(torch.device(device))
+        served = ops.page_resolver(torch.device(device), self.cache.num_pages)
+        self.resolve_step = served if resolver == "served" else host_tier.resolve_step
         self.misses = torch.zeros((), dtype=torch.int64, device=device)
 
     def step(self, selected: torch.Tensor) -> None:
-        resolution = resolve(self.cache, step_blocks(selected), self.host_table)
-        self.copy(self.host_view, self.device_pages, resolution.copy_from, resolution.copy_to)
+        copy_from, copy_to, _, misses = self.resolve_step(self.cache, selected, self.host_table, self.tier_table)
+        self.copy(self.host_view, self.device_pages, copy_from, copy_to)
         self.cache.device_slots(self.slots, M3_SHAPE.block_size)
-        self.tier_table.copy_(resolution.block_table)
-        self.misses += resolution.misses
+        self.misses += misses
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,41 +115,46 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()}: the host tier's steps of one decode layer call (M3 shapes), us in a")
         print(f"CUDA graph; pinned host-to-device copy measured {bandwidth / 1e9:.1f} GB/s\n")
         print(
-            "| context | batch | misses a request | tier steps us | sparse attention us | tier / attention "
+            "| context | batch | resolve | misses a request | tier steps us | sparse attention us | tier / attention "
             "| host to device |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
     for context, requests in itertools.product(args.contexts, args.batches):
         blocks = -(-context // shape.block_size)
         if on_gpu:  # the layer's attention on the same batch, for scale
             batch, q, _, kv, _, chosen = paged_problem([(context, 1)] * requests)
             plan = StepPlan.of(PagedBatch(batch.query_start_loc, batch.seq_lens, batch.block_table, "decode"))
             attention_us = graph_timed(lambda: ops.sparse_attention(q, kv, plan, chosen, shape, SCALE)) * 1e6
-        base_us = None
-        for misses in sorted(args.misses):
-            tier = TierSteps(requests, blocks, misses, args.device)
-            rotation = selections(requests, misses, args.device)
-            for selected in rotation * 2:  # the first round fills the tier; the second misses as a steady call
-                tier.step(selected)
-            tier.misses.zero_()
-            for selected in rotation:
-                tier.step(selected)
-            got = int(tier.misses)
-            assert got == ROTATION * requests * misses, f"{got} misses in {ROTATION} calls, wanted {misses} a request"
-            if not on_gpu:
-                print(f"context {context}, batch {requests}, {misses} misses a request: the tier's counts check out")
-                continue
-            cycle = itertools.cycle(rotation)
-            tier_us = graph_timed(lambda: tier.step(next(cycle)), iters=ROTATION) * 1e6
-            base_us = tier_us if misses == 0 else base_us
-            moved = ""
-            if misses and base_us is not None and tier_us > base_us:
-                rate = requests * misses * page_bytes / ((tier_us - base_us) * 1e-6)
-                moved = f"{rate / 1e9:.1f} GB/s ({rate / bandwidth:.0%})"
-            print(
-                f"| {context} | {requests} | {misses} | {tier_us:.1f} | {attention_us:.1f} | "
-                f"{tier_us / attention_us:.2f} | {moved} |"
-            )
+        for resolver in ("served", "torch ops") if on_gpu else ("served",):
+            base_us = None
+            for misses in sorted(args.misses):
+                tier = TierSteps(requests, blocks, misses, args.device, resolver)
+                rotation = selections(requests, misses, args.device)
+                for selected in rotation * 2:  # the first round fills the tier; the second misses as a steady call
+                    tier.step(selected)
+                tier.misses.zero_()
+                for selected in rotation:
+                    tier.step(selected)
+                got = int(tier.misses)
+                assert got == ROTATION * requests * misses, (
+                    f"{got} misses in {ROTATION} calls, wanted {misses} a request"
+                )
+                if not on_gpu:
+                    print(
+                        f"context {context}, batch {requests}, {misses} misses a request: the tier's counts check out"
+                    )
+                    continue
+                cycle = itertools.cycle(rotation)
+                tier_us = graph_timed(lambda: tier.step(next(cycle)), iters=ROTATION) * 1e6
+                base_us = tier_us if misses == 0 else base_us
+                moved = ""
+                if misses and base_us is not None and tier_us > base_us:
+                    rate = requests * misses * page_bytes / ((tier_us - base_us) * 1e-6)
+                    moved = f"{rate / 1e9:.1f} GB/s ({rate / bandwidth:.0%})"
+                print(
+                    f"| {context} | {requests} | {resolver} | {misses} | {tier_us:.1f} | {attention_us:.1f} | "
+                    f"{tier_us / attention_us:.2f} | {moved} |"
+                )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from msa_kernels.cute import (
     index_scores_fp8,
     index_scores_prefill,
     page_copy,
+    page_resolve,
     selection_stats,
     sparse_attn,
     sparse_attn_prefill,
@@ -35,6 +36,7 @@ from msa_kernels.cute.index_scores import IndexScoreKernel, IndexScoreParams
 from msa_kernels.cute.index_scores_fp8 import Fp8IndexScoreKernel, Fp8IndexScoreParams
 from msa_kernels.cute.index_scores_prefill import PrefillIndexScoreKernel, PrefillIndexScoreParams
 from msa_kernels.cute.page_copy import PageCopyKernel, PageCopyParams
+from msa_kernels.cute.page_resolve import PageResolveKernel, PageResolveParams
 from msa_kernels.cute.runtime import compiled_kernel
 from msa_kernels.cute.selection_stats import SelectionStatsKernel, SelectionStatsParams
 from msa_kernels.cute.sparse_attn import SparseAttentionKernel, SparseAttentionParams
@@ -701,6 +703,76 @@ def test_page_copy_kernel_copies_the_missed_pages_from_pinned_host_memory_also_r
     graph.replay()
     torch.cuda.synchronize()
     check(copy_from, copy_to, before)
+
+
+@pytest.mark.parametrize("entries, num_slots", [(1024, 1024), (4096, 3000), (8192, 65536)])
+def test_page_resolve_kernel_compiles_for_sm90a(entries, num_slots, sm90a):
+    compiles_and_caches(PageResolveKernel, PageResolveParams(entries, num_slots), sm90a)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "requests, heads, topk, num_slots",
+    [(1, 4, 16, 64), (5, 2, 3, 40), (32, 4, 16, 2048)],
+    ids=["m3-1", "small", "m3-32"],
+)
+def test_page_resolve_kernel_keeps_the_reference_cache_and_copies_step_after_step_also_replayed_from_a_cuda_graph(
+    requests, heads, topk, num_slots
+):
+    """A host tier's decode steps resolved by the kernel and by the torch ops (msa_kernels.host_tier.resolve_step)
+    side by side from the same empty cache: selections that keep most blocks from step to step and take new ones
+    (hits, misses, evictions, the clock hand wrapping), rows with fewer blocks than K (-1), two requests sharing
+    prefix pages; after every step the same cache (held, reference bits, slot of each host page, hand), copy list,
+    counts, and the same device page for every block read. Then one step captured in a CUDA graph, replayed on new
+    selections."""
+    from msa_kernels import host_tier
+
+    generator = torch.Generator().manual_seed(requests * 1000 + num_slots)
+    max_blocks, host_pages = 64, requests * 64 + 8
+    table = torch.randperm(host_pages, generator=generator)[: requests * max_blocks].view(requests, max_blocks)
+    if requests > 1:
+        table[1, :8] = table[0, :8]  # a shared prefix: one host page, two requests
+    table = table.to(torch.int32).cuda()
+    caches = {
+        name: host_tier.PageCache.empty(num_slots, host_pages, "cuda", first_page=7) for name in ("kernel", "ref")
+    }
+    tables = {name: torch.full_like(table, -1) for name in caches}
+    resolvers = {"kernel": page_resolve.resolve_step, "ref": host_tier.resolve_step}
+
+    def selection(step):
+        hot = torch.randint(0, 12, (requests, heads, topk), generator=generator)  # blocks most steps read
+        cold = torch.randint(0, max_blocks, (requests, heads, topk), generator=generator)
+        chosen = torch.where(torch.rand(requests, heads, topk, generator=generator) < 0.3 + 0.05 * step, cold, hot)
+        chosen[torch.rand(requests, heads, topk, generator=generator) < 0.15] = -1
+        return chosen.to(torch.int32).cuda()
+
+    def check(selected, results):
+        kernel, ref = caches["kernel"], caches["ref"]
+        for field in ("held", "referenced", "slot_of", "hand"):
+            assert torch.equal(getattr(kernel, field), getattr(ref, field)), field
+        for got, want in zip(results["kernel"], results["ref"]):
+            assert torch.equal(got, want)
+        read = selected.flatten(1)
+        rows = torch.arange(requests, device="cuda")[:, None].expand_as(read)
+        mask = read >= 0
+        assert torch.equal(tables["kernel"][rows[mask], read[mask]], tables["ref"][rows[mask], read[mask]])
+
+    for step in range(12):
+        selected = selection(step)
+        results = {name: resolvers[name](caches[name], selected, table, tables[name]) for name in caches}
+        torch.cuda.synchronize()
+        check(selected, results)
+
+    selected = selection(12)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records the launch; the cache moves at the replay
+        captured = page_resolve.resolve_step(caches["kernel"], selected, table, tables["kernel"])
+    selected.copy_(selection(13))
+    graph.replay()
+    want = host_tier.resolve_step(caches["ref"], selected, table, tables["ref"])
+    torch.cuda.synchronize()
+    check(selected, {"kernel": captured, "ref": want})
 
 
 @pytest.mark.parametrize("topk, block_size", [(16, 128), (8, 64)])

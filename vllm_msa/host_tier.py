@@ -12,16 +12,16 @@ step reads mostly the same ones (results/README.md, "Selection reuse across deco
   page each holds, replaced by the CLOCK policy (least recently used, approximately).
 - A step's K/V writes go to the host pages and, where a device page holds a copy of the page, to the copy too.
   The prefill part's attention reads the host pages (prefill reads whole prompts once). The decode part's
-  selection is resolved to device pages (resolve: hits keep their page, misses take the slots the clock hand picks),
-  the missed pages copied in (msa_kernels.ops.page_copier: only those cross PCIe), and the decode attention runs
-  unchanged on the device pages with the resolved block table.
+  selection is resolved to device pages (msa_kernels.ops.page_resolver: hits keep their page, misses take the slots
+  the clock hand picks; one kernel launch on Hopper), the missed pages copied in (msa_kernels.ops.page_copier: only
+  those cross PCIe), and the decode attention runs unchanged on the device pages with the resolved block table.
 
 Every kernel reads the same values as without the tier, so the tokens are the same (tests/test_host_tier.py,
 tests/test_vllm_engine.py -k host_tier).
 Counted in /metrics: vllm:msa_kv_device_tier_hits_total, _misses_total, vllm:msa_kv_host_to_device_bytes_total.
 Not with the tier (config.check_kv_device_pages refuses them by name): speculative decoding, KV connectors. A decode
-step through the tier has no host sync and no data-dependent shapes (resolve's torch ops, the page copy kernel, the
-tier's block table made in the step's workspace), so decode batches keep their full CUDA graphs.
+step through the tier has no host sync and no data-dependent shapes (the resolve kernel or its torch ops, the page
+copy kernel, the tier's block table made in the step's workspace), so decode batches keep their full CUDA graphs.
 """
 
 from collections.abc import Callable
@@ -32,7 +32,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from msa_kernels import ops, reference
-from msa_kernels.host_tier import PageCache, resolve, step_blocks
+from msa_kernels.host_tier import PageCache
 from msa_kernels.plan import PlanPart, StepPlan, Workspace
 from msa_kernels.shapes import MSAShape, PagedBatch
 from vllm_msa import compat
@@ -61,13 +61,14 @@ def page_bytes(shape: MSAShape, dtype: torch.dtype) -> int:
 class LayerHostTier:
     """One MSA layer's K/V: host_pages [vLLM's pages, Hkv, B, 2D] in host memory (pinned on a GPU host), host_view
     the tensor the kernels read and write them through (its device view on a GPU, itself on CPU), device_pages
-    [N, Hkv, B, 2D] on the model's device and cache, the PageCache of which host page each holds; copy_pages what
-    copies the missed pages in on this device (chosen once)."""
+    [N, Hkv, B, 2D] on the model's device and cache, the PageCache of which host page each holds; resolve_step and
+    copy_pages what resolves a decode step and copies its missed pages in on this device (chosen once)."""
 
     host_pages: torch.Tensor
     host_view: torch.Tensor
     device_pages: torch.Tensor
     cache: PageCache
+    resolve_step: Callable[..., tuple[torch.Tensor, ...]]  # ops.page_resolver's choice
     copy_pages: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]  # ops.page_copier's choice
 
     @classmethod
@@ -111,7 +112,8 @@ class LayerHostTier:
         host_view = compat.device_view_of_host_tensor(host_pages) if pinned else host_pages
         device_pages = torch.empty((num_device_pages, *page), dtype=dtype, device=device)
         cache = PageCache.empty(num_device_pages, num_pages, device)
-        return cls(host_pages, host_view, device_pages, cache, ops.page_copier(device))
+        resolver = ops.page_resolver(device, num_device_pages)
+        return cls(host_pages, host_view, device_pages, cache, resolver, ops.page_copier(device))
 
     @property
     def page_bytes(self) -> int:
@@ -127,21 +129,24 @@ class LayerHostTier:
         the step's (hits, misses) [] int32 of this layer."""
         decode = plan.part("decode")
         assert decode is not None, "a step without decode tokens reads no device page"
-        resolution = resolve(self.cache, step_blocks(decode.of(selected)), decode.batch.block_table)
-        self.copy_pages(self.host_view, self.device_pages, resolution.copy_from, resolution.copy_to)
         part = plan.workspace.launch("device tier part", _device_tier_part, decode)
-        part.batch.block_table.copy_(resolution.block_table)
-        return part, resolution.hits, resolution.misses
+        copy_from, copy_to, hits, misses = self.resolve_step(
+            self.cache, decode.of(selected), decode.batch.block_table, part.batch.block_table
+        )
+        self.copy_pages(self.host_view, self.device_pages, copy_from, copy_to)
+        return part, hits, misses
 
 
 def _device_tier_part(decode: PlanPart) -> PlanPart:
-    """The decode part of a step as the device tier serves it: its requests and rows, a block table of its own that
-    each layer fills with its resolved device pages, a workspace of its own (its launches bind that table)."""
+    """The decode part of a step as the device tier serves it: its requests and rows, a block table of its own into
+    which each layer resolves the device pages of the blocks it reads (the step's layers share it; the kernel leaves
+    the other entries as it found them: the sparse attention reads the selected blocks' only), a workspace of its own
+    (its launches bind that table)."""
     batch = decode.batch
     device_batch = PagedBatch(
         batch.query_start_loc,
         batch.seq_lens,
-        torch.empty_like(batch.block_table),
+        torch.full_like(batch.block_table, -1),
         "decode",
         batch.query_start_loc_cpu,
     )

@@ -22,9 +22,10 @@ its own block (read every step), nor when a freed page is written by the request
 
 The sparse attention reads only the selected blocks' pages (msa_kernels.reference.sparse_attention, the CuTeDSL
 kernels), so the resolved block table is the only change it sees. resolve and device_slots are torch ops on the
-device without a host sync or data-dependent shapes; copy_pages here is the reference (it indexes by a mask, which
-syncs a GPU's host), msa_kernels.cute.page_copy the kernel (msa_kernels.ops.page_copier chooses). vllm_msa/host_tier.py
-serves it.
+device without a host sync or data-dependent shapes (resolve_step: step_blocks + resolve, ~90 small kernels on a GPU;
+msa_kernels.cute.page_resolve the one-launch kernel, msa_kernels.ops.page_resolver chooses); copy_pages here is the
+reference (it indexes by a mask, which syncs a GPU's host), msa_kernels.cute.page_copy the kernel
+(msa_kernels.ops.page_copier chooses). vllm_msa/host_tier.py serves it.
 """
 
 from dataclasses import dataclass
@@ -140,6 +141,15 @@ def _clock_victims(cache: PageCache, slot_read: torch.Tensor, num_misses: torch.
     return victims[:num_pages]
 
 
+def check_step_fits(cache: PageCache, rows: int, width: int) -> None:
+    """Refuse a step of rows requests x width blocks (Hi x K) that a cache of fewer pages could not hold: a miss
+    would find no slot."""
+    if cache.num_pages < rows * width:
+        raise ValueError(
+            f"a device tier of {cache.num_pages} pages cannot hold a step's {rows} x {width} blocks (requests x Hi x K)"
+        )
+
+
 def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tensor) -> Resolution:
     """Give every block of the step (blocks [R, N] from step_blocks) the device page holding a copy of its host page
     (host_block_table [R, max_blocks]): a page already held keeps its device page (a hit); the pages held nowhere
@@ -148,10 +158,7 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
     Needs num_pages >= R x N, so every miss finds a slot whatever the step reads. Torch ops of fixed shapes: no host
     sync."""
     rows, width = blocks.shape
-    if cache.num_pages < rows * width:
-        raise ValueError(
-            f"a device tier of {cache.num_pages} pages cannot hold a step's {rows} x {width} blocks (requests x Hi x K)"
-        )
+    check_step_fits(cache, rows, width)
     read = blocks >= 0
     host_page = torch.where(read, host_block_table.gather(1, blocks.clamp(min=0).long()), -1)
     wanted = _unique_rows(host_page.view(1, -1))[0]  # [R*N]: the step's distinct host pages, -1 padded
@@ -191,6 +198,18 @@ def resolve(cache: PageCache, blocks: torch.Tensor, host_block_table: torch.Tens
         torch.where(miss, copy_page, -1).to(torch.int32),
         hit.sum(dtype=torch.int32),
     )
+
+
+def resolve_step(
+    cache: PageCache, selected: torch.Tensor, host_block_table: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's selection [R, Hi, K] resolved (step_blocks, resolve) into block_table [R, max_blocks] (the
+    device page of each block the step reads; the others -1 here, unspecified in the kernel's), with the cache
+    updated in place: (copy_from, copy_to, hits, misses) as Resolution names them. What
+    msa_kernels.ops.page_resolver chooses on a device without the kernel (msa_kernels/cute/page_resolve.py)."""
+    resolution = resolve(cache, step_blocks(selected), host_block_table)
+    block_table.copy_(resolution.block_table)
+    return resolution.copy_from, resolution.copy_to, resolution.hits, resolution.misses
 
 
 def copy_pages(

@@ -333,6 +333,28 @@ def _index_key_writer(
     return reference.write_index_keys
 
 
+def page_resolver(device: torch.device, num_slots: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """What resolves a host tier's decode step (msa_kernels.host_tier.resolve_step's contract) for a tier of
+    num_slots device pages on this device: the CuTeDSL kernel on Hopper (one launch) for steps of at most its
+    MAX_ENTRIES requests x Hi x K, else the PyTorch ops."""
+    from msa_kernels import host_tier
+
+    if not _on_hopper(device):
+        return host_tier.resolve_step
+    from msa_kernels.cute import page_resolve
+
+    if not page_resolve.PageResolveKernel.can_implement(1, num_slots):
+        return host_tier.resolve_step
+
+    def resolve_step(cache, selected, host_block_table, block_table):
+        fits = page_resolve.PageResolveKernel.can_implement(selected.numel(), num_slots)
+        return (page_resolve.resolve_step if fits else host_tier.resolve_step)(
+            cache, selected, host_block_table, block_table
+        )
+
+    return resolve_step
+
+
 def selection_stats_adder(device: torch.device) -> Callable[..., None]:
     """What adds a step's selections to the metrics' totals (msa_kernels.selection_stats.add_selection_stats'
     contract) on this device: the CuTeDSL kernel on Hopper (one launch), else the PyTorch path."""
