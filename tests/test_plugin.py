@@ -205,19 +205,22 @@ def test_fp8_kv_cache_is_refused_where_vllm_writes_another_fp8_type(monkeypatch)
             None,
             r"--kv-transfer-config \(MultiConnector\) runs KV connector P2pNcclConnector",
         ),
-        (None, 1.0, "--kv-offloading-size runs KV connector OffloadingConnector"),
+        # vLLM's OffloadingConnector: shown right on the GPU (dev/gpu/kv_connectors.py --checks offload)
+        (None, "native", None),
+        (None, "lmcache", "--kv-offloading-size runs KV connector LMCacheMPConnector"),
     ],
 )
 def test_kv_connectors_not_verified_with_index_key_caches_are_refused_by_name(monkeypatch, transfer, offload, refused):
     """A connector that may move K/V without the index keys is refused at start-up (tests/test_kv_connector.py
-    verifies ExampleConnector); the env variable the message names accepts it with a warning."""
+    verifies ExampleConnector, dev/gpu/kv_connectors.py ExampleConnector and CPU offload on the GPU); the env variable
+    the message names accepts it with a warning. offload: --kv-offloading-backend, with --kv-offloading-size 1."""
     from vllm.config import KVTransferConfig
 
     from vllm_msa.config import UNVERIFIED_KV_CONNECTORS_ENV, _check_kv_connectors
 
     monkeypatch.delenv(UNVERIFIED_KV_CONNECTORS_ENV, raising=False)
     transfer_config = transfer and KVTransferConfig(kv_role="kv_both", **transfer)
-    cache = SimpleNamespace(kv_offloading_size=offload, kv_offloading_backend="native")
+    cache = SimpleNamespace(kv_offloading_size=offload and 1.0, kv_offloading_backend=offload)
     vllm_config = SimpleNamespace(kv_transfer_config=transfer_config, cache_config=cache)
     if refused is None:
         _check_kv_connectors(vllm_config)

@@ -30,9 +30,9 @@ BAD_CONFIGS = {
         _hf_overrides(num_index_heads=3),
         "msa_config does not fit this model: invalid MSA shape: num_index_heads 3 must be a multiple of num_kv_heads 2",
     ),
-    "a KV connector not verified to carry the index-key caches (CPU offload)": (
-        ["--kv-offloading-size", "1"],
-        "--kv-offloading-size runs KV connector OffloadingConnector, which is not verified to carry FLASH_MSA's caches",
+    "a KV connector not verified to carry the index-key caches (NIXL)": (
+        ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})],
+        "--kv-transfer-config runs KV connector NixlConnector, which is not verified to carry FLASH_MSA's caches",
     ),
     "a host tier smaller than one decode step's pages": (
         ["--max-num-seqs", "4", "--additional-config", json.dumps({"flash_msa_kv_device_pages": 8})],

@@ -17,7 +17,7 @@ FlashMSAForCausalLM checkpoint's msa_config.indexer_kv_dtype does (served_indexe
 check_serving_config() runs in vLLM's API server process while it builds its config (vLLM's
 per-architecture hook, registered by registration.py), so a checkpoint or flag FLASH_MSA cannot
 serve stops `vllm serve` before any engine process starts, with a message naming the fix. That
-includes a KV connector (--kv-transfer-config, --kv-offloading-size) no test has shown to carry the
+includes a KV connector (--kv-transfer-config, --kv-offloading-size) no run has shown to carry the
 index-key caches with the K/V (VERIFIED_KV_CONNECTORS), and a host tier (--additional-config
 flash_msa_kv_device_pages: host_tier.py) too small for one decode step or beside what it does not run with.
 """
@@ -47,9 +47,11 @@ SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16", *FP8_CACHE_DTYPES)  # --kv
 # indexer_kv_dtype values FLASH_MSA serves (vLLM's names) and the index-key cache dtype of each; auto: the K/V cache's
 INDEX_KEY_DTYPES = {"bf16": torch.bfloat16, "fp8": Fp8IndexKeyCache.dtype, "fp8_e4m3": Fp8IndexKeyCache.dtype}
 SERVED_INDEXER_KV_DTYPES = ("auto", *INDEX_KEY_DTYPES)
-# KV connectors whose transfer of FLASH_MSA's caches (each MSA layer's K/V and its index-key cache) a test runs
-# (tests/test_kv_connector.py); any other stops `vllm serve` unless named in UNVERIFIED_KV_CONNECTORS_ENV.
-VERIFIED_KV_CONNECTORS = ("ExampleConnector",)
+# KV connectors whose transfer of FLASH_MSA's caches (each MSA layer's K/V and its index-key cache) a run has shown
+# right: ExampleConnector (tests/test_kv_connector.py on CPU, dev/gpu/kv_connectors.py on the GPU), vLLM's CPU offload
+# (--kv-offloading-size, a GPU feature: dev/gpu/kv_connectors.py --checks offload, the index keys among the bytes it
+# moves); any other stops `vllm serve` unless named in UNVERIFIED_KV_CONNECTORS_ENV.
+VERIFIED_KV_CONNECTORS = ("ExampleConnector", "OffloadingConnector")
 UNVERIFIED_KV_CONNECTORS_ENV = "FLASH_MSA_UNVERIFIED_KV_CONNECTORS"  # comma-separated names, accepted with a warning
 KV_DEVICE_PAGES_OPTION = "flash_msa_kv_device_pages"  # --additional-config key: the host tier's device pages a layer
 

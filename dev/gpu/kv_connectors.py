@@ -16,10 +16,11 @@ prefix caching), the flags after `--`, and its check's own:
              saving each layer's K/V and index keys; a consumer on the same folder answers again, loading them
              ("Inject KV cache of" once a prompt in its log) instead of computing them; the files saved per layer
              kind are listed
-  offload    CPU offload (--kv-offloading-size GiB: vLLM's OffloadingConnector, not yet verified for FLASH_MSA's
-             index-key caches, so accepted through FLASH_MSA_UNVERIFIED_KV_CONNECTORS): a GPU cache of
+  offload    CPU offload (--kv-offloading-size GiB: vLLM's OffloadingConnector): a GPU cache of
              --offload-gpu-blocks pages the prompts overflow, the prompts asked twice, so the second round finds
-             the first ones' pages in host memory only; /metrics' prefix-cache and connector lines are reported
+             the first ones' pages in host memory only; the bytes it loaded per token it loaded checked against the
+             model's K/V and index keys a token (bf16 caches, a FlashMSAForCausalLM checkpoint; else reported);
+             /metrics' prefix-cache and connector lines are reported
 
 Writes OUT/summary.md (a PASS/FAIL line per check with the first differing answer, INFO lines for what is reported
 only; rewritten after each check, so a run stopped midway keeps the checks it finished) and OUT/server-NAME.log;
@@ -42,7 +43,6 @@ from serve.bench_e2e import token_id, vllm_command  # noqa: E402
 from serve.eval_needle import cell_prompts  # noqa: E402
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer  # noqa: E402
 from vllm_msa.checkpoint import EOS  # noqa: E402
-from vllm_msa.config import UNVERIFIED_KV_CONNECTORS_ENV  # noqa: E402
 
 CHECKS = ("example", "offload")
 ANSWER_TOKENS = 8
@@ -54,8 +54,8 @@ SERVER_ERRORS = (local_server.NotHealthyError, OSError, KeyError)  # a server th
 class Server:
     """One `vllm serve` of MODEL on --port, its log in OUT/server-NAME.log, stopped on leaving."""
 
-    def __init__(self, name: str, opts: argparse.Namespace, flags: list[str], env: dict[str, str] | None = None):
-        self.name, self.opts, self.flags, self.env = name, opts, flags, env
+    def __init__(self, name: str, opts: argparse.Namespace, flags: list[str]):
+        self.name, self.opts, self.flags = name, opts, flags
         self.log_path = opts.out / f"server-{name}.log"
         self.port = opts.port
 
@@ -66,7 +66,7 @@ class Server:
         cmd += ["--max-num-batched-tokens", str(self.opts.prompt_tokens + ANSWER_TOKENS)]  # a prompt in one chunk
         cmd += [*self.opts.serve_flags, *self.flags]
         print(f"[{self.name}] {' '.join(cmd)}", flush=True)
-        self.proc = local_server.start(cmd, self.log_path, env=self.env)
+        self.proc = local_server.start(cmd, self.log_path)
         try:
             waited = local_server.wait_healthy(self.url, START_TIMEOUT_S, proc=self.proc)
         except local_server.NotHealthyError:
@@ -159,15 +159,42 @@ def example_check(opts, prompts, reference, tokenizer) -> list[Result]:
 
 def offload_check(opts, prompts, reference, tokenizer) -> list[Result]:
     flags = ["--kv-offloading-size", str(opts.offload_gib), "--num-gpu-blocks-override", str(opts.offload_gpu_blocks)]
-    with Server("offload", opts, flags, env={UNVERIFIED_KV_CONNECTORS_ENV: "OffloadingConnector"}) as server:
+    with Server("offload", opts, flags) as server:
         first = server.answers(prompts)
         second = server.answers(prompts)
         counters = server.metrics(("prefix_cache", "connector", "offload", "external"))
     return [
         compare("CPU offload, first round", first, reference, tokenizer),
         compare("CPU offload, second round (the first prompts' pages from host memory)", second, reference, tokenizer),
+        offloaded_bytes(opts, counters),
         (None, "CPU offload /metrics after both rounds:\n" + "\n".join(f"    {line}" for line in counters)),
     ]
+
+
+def offloaded_bytes(opts, counters: list[str]) -> Result:
+    """Whether the bytes CPU offload loaded back are the K/V and the index keys of the tokens it loaded: with the
+    K/V alone, an MSA layer's index keys would be another request's."""
+    value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in counters}
+    loaded, tokens = (
+        value.get("vllm:kv_offload_load_bytes_total", 0.0),
+        value.get("vllm:external_prefix_cache_hits_total", 0.0),
+    )
+    config = json.loads((opts.model / "config.json").read_text())
+    msa = config.get("msa_config")
+    if not tokens or msa is None or "--kv-cache-dtype" in opts.serve_flags:
+        return None, f"CPU offload loaded {loaded:.0f} bytes for {tokens:.0f} tokens (not checked: bf16 FlashMSA only)"
+    layers, bf16 = config["num_hidden_layers"], 2
+    kv = (
+        2
+        * config["num_key_value_heads"]
+        * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    )
+    index_keys = msa["num_index_key_heads"] * msa["index_head_dim"]
+    with_keys = bf16 * (layers * kv + (layers - len(msa.get("dense_layers", []))) * index_keys)
+    return loaded == tokens * with_keys, (
+        f"CPU offload loaded {loaded:.0f} bytes for {tokens:.0f} tokens: {loaded / tokens:.0f} a token, "
+        f"{with_keys} with the index keys ({bf16 * layers * kv} the K/V alone)"
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
