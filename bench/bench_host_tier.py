@@ -8,8 +8,9 @@ M3's attention shapes at decode, one layer call, as the tier serves it: the step
 (msa_kernels.ops.page_resolver: the CuTeDSL kernel on Hopper; beside it, in the same run, the torch ops of
 msa_kernels.host_tier.resolve_step), the page copy (msa_kernels.ops.page_copier: the CuTeDSL kernel on Hopper, reading
 the missed pages from pinned host memory through their device view), the write-through slots of the step's K/V
-(PageCache.device_slots) and the resolved block table into the step's buffer: "tier steps" below. Beside it the
-layer's sparse attention on the same batch (split-K + combine), which the tier steps come on top of.
+(PageCache.device_slots) and the resolved block table into the step's buffer: "tier steps" below, and the resolve
+alone (the same calls without the copy and the slots). Beside it the layer's sparse attention on the same batch
+(split-K + combine), which the tier steps come on top of.
 
 Each request's step reads Hi x K = 64 distinct blocks (the most it can), of which --misses are new at every call and
 the rest the same; the device tier holds exactly one step's pages (requests x 64: the least the option allows), so
@@ -88,8 +89,11 @@ class TierSteps:
         self.resolve_step = served if resolver == "served" else host_tier.resolve_step
         self.misses = torch.zeros((), dtype=torch.int64, device=device)
 
+    def resolve(self, selected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.resolve_step(self.cache, selected, self.host_table, self.tier_table)
+
     def step(self, selected: torch.Tensor) -> None:
-        copy_from, copy_to, _, misses = self.resolve_step(self.cache, selected, self.host_table, self.tier_table)
+        copy_from, copy_to, _, misses = self.resolve(selected)
         self.copy(self.host_view, self.device_pages, copy_from, copy_to)
         self.cache.device_slots(self.slots, M3_SHAPE.block_size)
         self.misses += misses
@@ -115,10 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{torch.cuda.get_device_name()}: the host tier's steps of one decode layer call (M3 shapes), us in a")
         print(f"CUDA graph; pinned host-to-device copy measured {bandwidth / 1e9:.1f} GB/s\n")
         print(
-            "| context | batch | resolve | misses a request | tier steps us | sparse attention us | tier / attention "
-            "| host to device |"
+            "| context | batch | resolve | misses a request | tier steps us | of which resolve us "
+            "| sparse attention us | tier / attention | host to device |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
     for context, requests in itertools.product(args.contexts, args.batches):
         blocks = -(-context // shape.block_size)
         if on_gpu:  # the layer's attention on the same batch, for scale
@@ -146,13 +150,15 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 cycle = itertools.cycle(rotation)
                 tier_us = graph_timed(lambda: tier.step(next(cycle)), iters=ROTATION) * 1e6
+                resolve_us = graph_timed(lambda: tier.resolve(next(cycle)), iters=ROTATION) * 1e6
                 base_us = tier_us if misses == 0 else base_us
                 moved = ""
                 if misses and base_us is not None and tier_us > base_us:
                     rate = requests * misses * page_bytes / ((tier_us - base_us) * 1e-6)
                     moved = f"{rate / 1e9:.1f} GB/s ({rate / bandwidth:.0%})"
                 print(
-                    f"| {context} | {requests} | {resolver} | {misses} | {tier_us:.1f} | {attention_us:.1f} | "
+                    f"| {context} | {requests} | {resolver} | {misses} | {tier_us:.1f} | {resolve_us:.1f} | "
+                    f"{attention_us:.1f} | "
                     f"{tier_us / attention_us:.2f} | {moved} |"
                 )
 
