@@ -23,6 +23,12 @@ both phases
                            a CTA per decode row, a warp per prefill row)
   index_key_write.py       IndexKeyWriteKernel, write_index_keys: the step's index keys into bf16
                            index-key pages, or quantised into FP8 ones, on the device (no host sync)
+  selection_stats.py       SelectionStatsKernel, add_selection_stats: what the step's selections add to
+                           the served metrics' totals
+the host tier (msa_kernels.host_tier's contracts; vllm_msa/host_tier.py serves them)
+  page_resolve.py          PageResolveKernel, resolve_step: a decode step's selected blocks resolved to
+                           device pages in one CTA (lookup, CLOCK replacement, copy list, block table)
+  page_copy.py             PageCopyKernel, copy_pages: the missed pages from pinned host memory (UVA)
 shared
   runtime.py               compiled_kernel(kernel class, params): compiled once per process for TVM-FFI
                            calls with torch tensors on torch's current stream, exported object files on
