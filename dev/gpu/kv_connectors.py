@@ -19,7 +19,7 @@ prefix caching), the flags after `--`, and its check's own:
   offload    CPU offload (--kv-offloading-size GiB: vLLM's OffloadingConnector): a GPU cache of
              --offload-gpu-blocks pages the prompts overflow, the prompts asked twice, so the second round finds
              the first ones' pages in host memory only; the bytes it loaded per token it loaded checked against the
-             model's K/V and index keys a token (bf16 caches, a FlashMSAForCausalLM checkpoint; else reported);
+             model's K/V and index keys a token (vllm_msa.sizing's count; bf16 K/V caches, else reported);
              /metrics' prefix-cache and connector lines are reported
 
 Writes OUT/summary.md (a PASS/FAIL line per check with the first differing answer, INFO lines for what is reported
@@ -42,6 +42,7 @@ from serve import local_server  # noqa: E402
 from serve.bench_e2e import token_id, vllm_command  # noqa: E402
 from serve.eval_needle import cell_prompts  # noqa: E402
 from training.needle_task import PassKeyPrompt, PassKeyTask, answer_is_correct, load_tokenizer  # noqa: E402
+from vllm_msa import sizing  # noqa: E402
 from vllm_msa.checkpoint import EOS  # noqa: E402
 
 CHECKS = ("example", "offload")
@@ -179,21 +180,13 @@ def offloaded_bytes(opts, counters: list[str]) -> Result:
         value.get("vllm:kv_offload_load_bytes_total", 0.0),
         value.get("vllm:external_prefix_cache_hits_total", 0.0),
     )
-    config = json.loads((opts.model / "config.json").read_text())
-    msa = config.get("msa_config")
-    if not tokens or msa is None or "--kv-cache-dtype" in opts.serve_flags:
-        return None, f"CPU offload loaded {loaded:.0f} bytes for {tokens:.0f} tokens (not checked: bf16 FlashMSA only)"
-    layers, bf16 = config["num_hidden_layers"], 2
-    kv = (
-        2
-        * config["num_key_value_heads"]
-        * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    )
-    index_keys = msa["num_index_key_heads"] * msa["index_head_dim"]
-    with_keys = bf16 * (layers * kv + (layers - len(msa.get("dense_layers", []))) * index_keys)
-    return loaded == tokens * with_keys, (
+    if not tokens or "--kv-cache-dtype" in opts.serve_flags:
+        return None, f"CPU offload loaded {loaded:.0f} bytes for {tokens:.0f} tokens (not checked: bf16 K/V only)"
+    text, msa, _ = sizing.load(opts.model)
+    kv, index_keys = sizing.cache_bytes_per_token(text, msa, range(text.num_hidden_layers), tp=1)
+    return loaded == tokens * (kv + index_keys), (
         f"CPU offload loaded {loaded:.0f} bytes for {tokens:.0f} tokens: {loaded / tokens:.0f} a token, "
-        f"{with_keys} with the index keys ({bf16 * layers * kv} the K/V alone)"
+        f"{kv + index_keys} with the index keys ({kv} the K/V alone)"
     )
 
 
